@@ -1,0 +1,330 @@
+"""Configuration: one TOML file, every key overridable by `CMROOT_<SECTION>_<KEY>`.
+
+A Hive `hive-site.xml` may stand in for the TOML file: its `hive.repl.cm*` keys and the
+warehouse directory map onto the store section. Everything is checked at load time so a
+bad value stops the daemon at start, with the key and the fix in the message.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from cmroot.exceptions import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_PORT = 9750
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(s|sec|secs|m|min|mins|h|hour|hours|d|day|days|w)?\s*")
+
+
+def parse_duration(text: str | int | float, key: str = "duration", default_unit: str = "s") -> float:
+    """`90s`, `15m`, `24h`, `7d` (a bare number is in `default_unit`) → seconds."""
+    if isinstance(text, bool):
+        raise ConfigError(f"bad duration for {key}", f"{text!r}: write it like 90s, 15m, 24h or 7d")
+    if isinstance(text, (int, float)):
+        seconds = float(text) * _UNITS[default_unit]
+    else:
+        m = _DURATION.fullmatch(text)
+        if not m:
+            raise ConfigError(
+                f"bad duration for {key}", f"{text!r}: write it like 90s, 15m, 24h or 7d"
+            )
+        unit = (m.group(2) or default_unit)[0]
+        seconds = float(m.group(1)) * _UNITS[unit]
+    if seconds <= 0:
+        raise ConfigError(f"bad duration for {key}", f"{text!r}: it must be greater than zero")
+    return seconds
+
+
+def data_home() -> str:
+    """Where the embedded defaults keep the store: $XDG_DATA_HOME/cmroot."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "cmroot")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    root: str = field(default_factory=lambda: os.path.join(data_home(), "store"))
+    warehouse_roots: tuple[str, ...] = field(
+        default_factory=lambda: (os.path.join(data_home(), "warehouse"),)
+    )
+    retain: float = 86400.0
+    interval: float = 3600.0
+    on_expire: str = "delete"
+    # (glob on "db.table", seconds); the first matching glob wins.
+    retain_overrides: tuple[tuple[str, float], ...] = ()
+    enabled: bool = True
+
+    def retain_for(self, db: str | None, table: str | None) -> float:
+        if db is not None or table is not None:
+            name = f"{db or ''}.{table or ''}"
+            for pattern, seconds in self.retain_overrides:
+                if fnmatch.fnmatchcase(name, pattern):
+                    return seconds
+        return self.retain
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    url: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    max_body: int = 64 << 20
+
+    @property
+    def base_url(self) -> str:
+        if self.url:
+            return self.url.rstrip("/")
+        scheme = "https" if self.tls_cert else "http"
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"{scheme}://{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    # "<scope>:sha256:<hex>" per token; only hashes live in the file.
+    tokens: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Config:
+    store: StoreConfig = field(default_factory=StoreConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    index: IndexConfig = field(default_factory=IndexConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    source: str = "<defaults>"
+
+    @property
+    def index_path(self) -> str:
+        return self.index.path or os.path.join(self.store.root, "index.sqlite")
+
+
+_SECTIONS: dict[str, type[Any]] = {
+    "store": StoreConfig,
+    "server": ServerConfig,
+    "index": IndexConfig,
+    "auth": AuthConfig,
+}
+
+
+def load(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Read the config file (TOML, or a Hive `hive-site.xml`), apply `CMROOT_*` overrides,
+    validate. Without a path only defaults and the environment count."""
+    env = os.environ if env is None else env
+    raw: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path} not found", "pass an existing file to --config")
+        if str(path).endswith(".xml"):
+            raw["store"].update(read_hive_site(path))
+        else:
+            raw = _merge_toml(raw, path)
+    _apply_env(raw, env)
+    return _build(raw, source)
+
+
+def _merge_toml(raw: dict[str, dict[str, Any]], path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML", str(e)) from e
+    for section, values in doc.items():
+        if section not in _SECTIONS or not isinstance(values, dict):
+            raise ConfigError(
+                f"unknown config section [{section}] in {path}",
+                f"known sections: {', '.join(_SECTIONS)}",
+            )
+        raw[section].update(values)
+    return raw
+
+
+def _apply_env(raw: dict[str, dict[str, Any]], env: Mapping[str, str]) -> None:
+    for name, value in env.items():
+        if not name.startswith("CMROOT_") or name in ("CMROOT_CONFIG", "CMROOT_TOKEN", "CMROOT_URL"):
+            continue
+        rest = name[len("CMROOT_") :].lower()
+        section, _, key = rest.partition("_")
+        if section not in _SECTIONS or not key:
+            raise ConfigError(
+                f"unknown environment override {name}",
+                "write CMROOT_<SECTION>_<KEY>, e.g. CMROOT_STORE_RETAIN=24h",
+            )
+        raw[section][key] = _env_value(_SECTIONS[section], key, value, name)
+
+
+def _env_value(cls: type[Any], key: str, value: str, name: str) -> Any:
+    default = getattr(cls(), key, None)
+    if key == "retain_overrides":
+        pairs = [p.split("=", 1) for p in value.split(",") if p.strip()]
+        if any(len(p) != 2 for p in pairs):
+            raise ConfigError(f"bad value for {name}", "write glob=duration pairs: sales.*=7d,tmp.*=1h")
+        return {k.strip(): v.strip() for k, v in pairs}
+    if isinstance(default, tuple):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(default, bool):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int) and not isinstance(default, bool):
+        try:
+            return int(value)
+        except ValueError as e:
+            raise ConfigError(f"bad value for {name}", f"{value!r} is not an integer") from e
+    return value
+
+
+def _build(raw: dict[str, dict[str, Any]], source: str) -> Config:
+    for section, values in raw.items():
+        known = set(_SECTIONS[section].__dataclass_fields__)
+        for key in values:
+            if key not in known:
+                raise ConfigError(
+                    f"unknown config key {section}.{key} in {source}",
+                    f"known keys of [{section}]: {', '.join(sorted(known))}",
+                )
+    s = raw["store"]
+    defaults = StoreConfig()
+    root = _abs_root(s.get("root", defaults.root), "store.root")
+    roots = s.get("warehouse_roots", list(defaults.warehouse_roots))
+    if isinstance(roots, str):
+        roots = [roots]
+    if not roots:
+        raise ConfigError("store.warehouse_roots is empty", "list at least one warehouse directory")
+    warehouse = tuple(_abs_root(r, "store.warehouse_roots") for r in roots)
+    for w in warehouse:
+        if _inside(root, w) or _inside(w, root):
+            raise ConfigError(
+                "store.root and store.warehouse_roots overlap",
+                f"{root} and {w}: keep the store beside the warehouse, not inside it (or the reverse)",
+            )
+    on_expire = s.get("on_expire", "delete")
+    if on_expire not in ("delete", "trash"):
+        raise ConfigError("bad value for store.on_expire", f"{on_expire!r}: use \"delete\" or \"trash\"")
+    overrides = s.get("retain_overrides", {})
+    if not isinstance(overrides, dict):
+        raise ConfigError("bad value for store.retain_overrides", 'write a table: {"sales.*" = "7d"}')
+    store = StoreConfig(
+        root=root,
+        warehouse_roots=warehouse,
+        retain=parse_duration(s.get("retain", "24h"), "store.retain"),
+        interval=parse_duration(s.get("interval", "1h"), "store.interval"),
+        on_expire=on_expire,
+        retain_overrides=tuple(
+            (str(k), parse_duration(v, f"store.retain_overrides.{k}")) for k, v in overrides.items()
+        ),
+        enabled=bool(s.get("enabled", True)),
+    )
+    srv = raw["server"]
+    try:
+        port = int(srv.get("port", DEFAULT_PORT))
+        max_body = int(srv.get("max_body", ServerConfig.max_body))
+    except (TypeError, ValueError) as e:
+        raise ConfigError("bad value for server.port or server.max_body", "use an integer") from e
+    if not 0 <= port < 65536:
+        raise ConfigError("bad value for server.port", f"{port} is not a TCP port")
+    server = ServerConfig(
+        host=str(srv.get("host", ServerConfig.host)),
+        port=port,
+        url=str(srv.get("url", "")),
+        tls_cert=str(srv.get("tls_cert", "")),
+        tls_key=str(srv.get("tls_key", "")),
+        max_body=max_body,
+    )
+    if bool(server.tls_cert) != bool(server.tls_key):
+        raise ConfigError("server.tls_cert and server.tls_key go together", "set both or neither")
+    index_path = str(raw["index"].get("path", ""))
+    if index_path and not os.path.isabs(index_path):
+        raise ConfigError("index.path must be absolute", f"{index_path!r}: write a full path")
+    tokens = raw["auth"].get("tokens", [])
+    if isinstance(tokens, str):
+        tokens = [tokens]
+    return Config(
+        store=store,
+        server=server,
+        index=IndexConfig(path=index_path),
+        auth=AuthConfig(tokens=tuple(str(t) for t in tokens)),
+        source=source,
+    )
+
+
+def local_path(url_or_path: str) -> str | None:
+    """The local path behind `/x` or `file:///x`, or None for another filesystem."""
+    if url_or_path.startswith("file://"):
+        return urlsplit(url_or_path).path or "/"
+    if "://" in url_or_path:
+        return None
+    return url_or_path
+
+
+def _abs_root(value: str, key: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"bad value for {key}", "write an absolute path or an fsspec URL")
+    local = local_path(value)
+    if local is None:
+        return value.rstrip("/")
+    if "\0" in local or not os.path.isabs(local):
+        raise ConfigError(f"{key} must be absolute", f"{value!r}: write a full path such as /data/warehouse")
+    return os.path.normpath(local)
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def read_hive_site(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Map a hive-site.xml's change-manager keys onto [store] keys."""
+    try:
+        tree = ET.parse(path)
+    except ET.ParseError as e:
+        raise ConfigError(f"{path} is not valid XML", str(e)) from e
+    props = {
+        (p.findtext("name") or "").strip(): (p.findtext("value") or "").strip()
+        for p in tree.getroot().iter("property")
+    }
+    out: dict[str, Any] = {}
+    if "hive.repl.cmrootdir" in props:
+        out["root"] = props["hive.repl.cmrootdir"]
+    if "hive.metastore.warehouse.dir" in props:
+        out["warehouse_roots"] = [props["hive.metastore.warehouse.dir"]]
+    # Hive's defaults: retain is in hours and interval in seconds when no unit is written.
+    if "hive.repl.cm.retain" in props:
+        out["retain"] = _hive_duration(props["hive.repl.cm.retain"], "h")
+    if "hive.repl.cm.interval" in props:
+        out["interval"] = _hive_duration(props["hive.repl.cm.interval"], "s")
+    if "hive.repl.cm.enabled" in props:
+        out["enabled"] = props["hive.repl.cm.enabled"].lower() == "true"
+    return out
+
+
+def _hive_duration(value: str, unit: str) -> str:
+    return value + unit if value.strip().isdigit() else value
+
+
+def default_config_path() -> str | None:
+    """`$CMROOT_CONFIG`, else /etc/cmroot/cmroot.toml if it exists."""
+    env = os.environ.get("CMROOT_CONFIG")
+    if env:
+        return env
+    etc = Path("/etc/cmroot/cmroot.toml")
+    return str(etc) if etc.is_file() else None

@@ -1,0 +1,409 @@
+"""The SQLite index: objects, entries, the event log, the recycle journal, a checksum cache.
+
+It knows nothing of files on disk. One connection in WAL mode, serialised by a lock: SQLite
+allows one writer at a time anyway, and reads are short indexed lookups. `synchronous=FULL`
+because the journal must be on disk before any file moves.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS objects (
+    checksum TEXT PRIMARY KEY,
+    size     INTEGER NOT NULL,
+    created  REAL NOT NULL,
+    expires  REAL NOT NULL,
+    keep     INTEGER NOT NULL      -- 1 if any entry was not purged: trash it at expiry
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS objects_expires ON objects(expires);
+
+CREATE TABLE IF NOT EXISTS entries (
+    id         INTEGER PRIMARY KEY,
+    path       TEXT NOT NULL,
+    checksum   TEXT NOT NULL,
+    size       INTEGER NOT NULL,
+    recycled   REAL NOT NULL,
+    expires    REAL NOT NULL,
+    op         TEXT NOT NULL,
+    db         TEXT,
+    tbl        TEXT,
+    partition  TEXT,
+    purge      INTEGER NOT NULL,
+    event_id   INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS entries_path ON entries(path, checksum);
+CREATE INDEX IF NOT EXISTS entries_checksum ON entries(checksum);
+CREATE INDEX IF NOT EXISTS entries_table ON entries(db, tbl, id);
+
+CREATE TABLE IF NOT EXISTS events (
+    id         INTEGER PRIMARY KEY AUTOINCREMENT,
+    type       TEXT NOT NULL,
+    db         TEXT,
+    tbl        TEXT,
+    partitions TEXT NOT NULL,
+    timestamp  REAL NOT NULL,
+    server     TEXT NOT NULL,
+    purge      INTEGER NOT NULL,
+    files      TEXT NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS txs (
+    txid    TEXT PRIMARY KEY,
+    started REAL NOT NULL,
+    mode    TEXT NOT NULL,
+    request TEXT NOT NULL
+) WITHOUT ROWID;
+
+CREATE TABLE IF NOT EXISTS journal (
+    txid     TEXT NOT NULL,
+    seq      INTEGER NOT NULL,
+    source   TEXT NOT NULL,
+    staged   TEXT NOT NULL,
+    PRIMARY KEY (txid, seq)
+) WITHOUT ROWID;
+
+CREATE TABLE IF NOT EXISTS checksums (
+    path     TEXT PRIMARY KEY,
+    size     INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL,
+    checksum TEXT NOT NULL
+) WITHOUT ROWID;
+"""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One recycle of one file."""
+
+    path: str
+    checksum: str
+    size: int
+    recycled: float
+    expires: float
+    op: str
+    db: str | None
+    table: str | None
+    partition: dict[str, str] | None
+    purge: bool
+    event_id: int = 0
+    id: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "path": self.path,
+            "checksum": self.checksum,
+            "size": self.size,
+            "recycled": self.recycled,
+            "expires": self.expires,
+            "op": self.op,
+            "db": self.db,
+            "table": self.table,
+            "partition": self.partition,
+            "purge": self.purge,
+            "event_id": self.event_id,
+        }
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    checksum: str
+    size: int
+    created: float
+    expires: float
+    keep: bool
+
+
+@dataclass(frozen=True)
+class Event:
+    """One entry of the ordered event log; field names follow the HCatalog JSON messages."""
+
+    id: int
+    type: str
+    db: str | None
+    table: str | None
+    partitions: list[dict[str, str]]
+    timestamp: float
+    server: str
+    purge: bool = False
+    files: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "eventType": self.type,
+            "db": self.db,
+            "table": self.table,
+            "partitions": self.partitions,
+            "timestamp": self.timestamp,
+            "server": self.server,
+            "purge": self.purge,
+            "files": self.files,
+        }
+
+
+@dataclass(frozen=True)
+class JournalRow:
+    txid: str
+    seq: int
+    source: str
+    staged: str
+
+
+@dataclass(frozen=True)
+class PendingTx:
+    txid: str
+    started: float
+    mode: str
+    request: dict[str, Any]
+    rows: list[JournalRow]
+
+
+class Index:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA busy_timeout=30000")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """An IMMEDIATE transaction: the write lock is taken up front, so nothing that
+        reads inside it can be overtaken by another writer."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _query(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # -- journal -------------------------------------------------------------------------
+    def journal_begin(
+        self, txid: str, started: float, mode: str, request: dict[str, Any],
+        rows: Iterable[tuple[int, str, str]],
+    ) -> None:
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO txs VALUES (?, ?, ?, ?)", (txid, started, mode, json.dumps(request))
+            )
+            db.executemany(
+                "INSERT INTO journal (txid, seq, source, staged) VALUES (?, ?, ?, ?)",
+                ((txid, seq, src, staged) for seq, src, staged in rows),
+            )
+
+    def journal_end(self, txid: str) -> None:
+        with self.transaction() as db:
+            _drop_tx(db, txid)
+
+    def pending(self) -> list[PendingTx]:
+        txs = self._query("SELECT txid, started, mode, request FROM txs ORDER BY started")
+        out = []
+        for txid, started, mode, request in txs:
+            rows = [
+                JournalRow(*r)
+                for r in self._query(
+                    "SELECT txid, seq, source, staged FROM journal "
+                    "WHERE txid = ? ORDER BY seq",
+                    (txid,),
+                )
+            ]
+            out.append(PendingTx(txid, started, mode, json.loads(request), rows))
+        return out
+
+    # -- recycle commit --------------------------------------------------------------------
+    def commit_recycle(self, txid: str | None, event: Event, entries: Sequence[Entry]) -> int:
+        """Record the event, its entries and their objects, and close the journal record,
+        atomically. Returns the new event id."""
+        with self.transaction() as db:
+            event_id = _insert_event(db, event)
+            db.executemany(
+                "INSERT INTO entries (path, checksum, size, recycled, expires, op, db, tbl,"
+                " partition, purge, event_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    (
+                        e.path, e.checksum, e.size, e.recycled, e.expires, e.op, e.db, e.table,
+                        json.dumps(e.partition) if e.partition is not None else None,
+                        int(e.purge), event_id,
+                    )
+                    for e in entries
+                ),
+            )
+            db.executemany(
+                "INSERT INTO objects (checksum, size, created, expires, keep) VALUES (?, ?, ?, ?, ?)"
+                " ON CONFLICT(checksum) DO UPDATE SET"
+                " expires = max(expires, excluded.expires), keep = max(keep, excluded.keep)",
+                ((e.checksum, e.size, e.recycled, e.expires, int(not e.purge)) for e in entries),
+            )
+            if txid is not None:
+                _drop_tx(db, txid)
+        return event_id
+
+    def add_event(self, event: Event) -> int:
+        with self.transaction() as db:
+            return _insert_event(db, event)
+
+    # -- lookups ---------------------------------------------------------------------------
+    def get_object(self, checksum: str) -> StoredObject | None:
+        rows = self._query(
+            "SELECT checksum, size, created, expires, keep FROM objects WHERE checksum = ?",
+            (checksum,),
+        )
+        return StoredObject(*rows[0][:4], bool(rows[0][4])) if rows else None
+
+    def recorded(self, pairs: Sequence[tuple[str, str]]) -> dict[tuple[str, str], int]:
+        """Of the (path, checksum) pairs, those with an entry whose object is indexed,
+        mapped to the object's size."""
+        out: dict[tuple[str, str], int] = {}
+        with self._lock:
+            cur = self._db.cursor()
+            for path, checksum in pairs:
+                row = cur.execute(
+                    "SELECT o.size FROM entries e JOIN objects o ON o.checksum = e.checksum"
+                    " WHERE e.path = ? AND e.checksum = ? LIMIT 1",
+                    (path, checksum),
+                ).fetchone()
+                if row is not None:
+                    out[(path, checksum)] = row[0]
+        return out
+
+    def entries(
+        self, db: str | None = None, table: str | None = None, limit: int = 100,
+        cursor: int | None = None, checksum: str | None = None,
+    ) -> list[Entry]:
+        """Entries newest first; `cursor` is the id of the last entry of the previous page."""
+        where, args = [], []
+        for column, value in (("db", db), ("tbl", table), ("checksum", checksum)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                args.append(value)
+        if cursor is not None:
+            where.append("id < ?")
+            args.append(cursor)
+        sql = (
+            "SELECT path, checksum, size, recycled, expires, op, db, tbl, partition, purge,"
+            " event_id, id FROM entries"
+            + (" WHERE " + " AND ".join(where) if where else "")
+            + " ORDER BY id DESC LIMIT ?"
+        )
+        return [_entry(r) for r in self._query(sql, [*args, limit])]
+
+    def events(self, start: int = 0, limit: int = 100) -> list[Event]:
+        rows = self._query(
+            "SELECT id, type, db, tbl, partitions, timestamp, server, purge, files FROM events"
+            " WHERE id >= ? ORDER BY id LIMIT ?",
+            (start, limit),
+        )
+        return [
+            Event(r[0], r[1], r[2], r[3], json.loads(r[4]), r[5], r[6], bool(r[7]), json.loads(r[8]))
+            for r in rows
+        ]
+
+    def current_event_id(self) -> int:
+        return int(self._query("SELECT coalesce(max(id), 0) FROM events")[0][0])
+
+    def stats(self) -> tuple[int, int, float | None]:
+        """(objects, bytes, oldest object's creation time)."""
+        n, total, oldest = self._query("SELECT count(*), coalesce(sum(size), 0), min(created) FROM objects")[0]
+        return int(n), int(total), oldest
+
+    def all_checksums(self) -> set[str]:
+        return {r[0] for r in self._query("SELECT checksum FROM objects")}
+
+    # -- retention -------------------------------------------------------------------------
+    def expired(self, now: float, limit: int, after: tuple[float, str] | None = None) -> list[StoredObject]:
+        """Expired objects in (expires, checksum) order, the page after `after`."""
+        last_expires, last_checksum = after or (float("-inf"), "")
+        rows = self._query(
+            "SELECT checksum, size, created, expires, keep FROM objects"
+            " WHERE expires <= ? AND (expires > ? OR (expires = ? AND checksum > ?))"
+            " ORDER BY expires, checksum LIMIT ?",
+            (now, last_expires, last_expires, last_checksum, limit),
+        )
+        return [StoredObject(*r[:4], bool(r[4])) for r in rows]
+
+    def forget_expired(self, checksums: Sequence[str], now: float) -> None:
+        """Drop objects still expired at `now`, with their entries. An object recycled again
+        since it was picked has a later expiry and stays."""
+        with self.transaction() as db:
+            db.executemany(
+                "DELETE FROM objects WHERE checksum = ? AND expires <= ?", ((c, now) for c in checksums)
+            )
+            db.executemany(
+                "DELETE FROM entries WHERE checksum = ? AND NOT EXISTS"
+                " (SELECT 1 FROM objects WHERE checksum = ?)",
+                ((c, c) for c in checksums),
+            )
+
+    def forget(self, checksums: Sequence[str]) -> None:
+        """Drop objects and their entries whatever their expiry (fsck repair)."""
+        with self.transaction() as db:
+            db.executemany("DELETE FROM entries WHERE checksum = ?", ((c,) for c in checksums))
+            db.executemany("DELETE FROM objects WHERE checksum = ?", ((c,) for c in checksums))
+
+    def register_object(self, obj: StoredObject) -> None:
+        with self.transaction() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO objects VALUES (?, ?, ?, ?, ?)",
+                (obj.checksum, obj.size, obj.created, obj.expires, int(obj.keep)),
+            )
+
+    # -- checksum cache ----------------------------------------------------------------------
+    def cached_checksum(self, path: str, size: int, mtime_ns: int) -> str | None:
+        rows = self._query(
+            "SELECT checksum FROM checksums WHERE path = ? AND size = ? AND mtime_ns = ?",
+            (path, size, mtime_ns),
+        )
+        return rows[0][0] if rows else None
+
+    def cache_checksums(self, rows: Iterable[tuple[str, int, int, str]]) -> None:
+        rows = list(rows)
+        if not rows:
+            return
+        # The cache is advisory: losing its last writes to a crash costs a re-hash.
+        with self.transaction() as db:
+            db.executemany("INSERT OR REPLACE INTO checksums VALUES (?, ?, ?, ?)", rows)
+
+
+def _drop_tx(db: sqlite3.Connection, txid: str) -> None:
+    db.execute("DELETE FROM journal WHERE txid = ?", (txid,))
+    db.execute("DELETE FROM txs WHERE txid = ?", (txid,))
+
+
+def _insert_event(db: sqlite3.Connection, e: Event) -> int:
+    cur = db.execute(
+        "INSERT INTO events (type, db, tbl, partitions, timestamp, server, purge, files)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (e.type, e.db, e.table, json.dumps(e.partitions), e.timestamp, e.server, int(e.purge),
+         json.dumps(e.files)),
+    )
+    assert cur.lastrowid is not None
+    return cur.lastrowid
+
+
+def _entry(r: Sequence[Any]) -> Entry:
+    return Entry(
+        path=r[0], checksum=r[1], size=r[2], recycled=r[3], expires=r[4], op=r[5], db=r[6],
+        table=r[7], partition=json.loads(r[8]) if r[8] is not None else None, purge=bool(r[9]),
+        event_id=r[10], id=r[11],
+    )

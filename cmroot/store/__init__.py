@@ -1,0 +1,165 @@
+"""The store: recycle files into it, resolve and read them back, sweep what expired.
+
+`Store.open` takes the configuration, an index and a clock; it knows nothing of HTTP,
+Spark or the command line, so the daemon and the CLI are thin layers over it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cmroot import checksum as cks
+from cmroot.config import Config, StoreConfig, local_path
+from cmroot.exceptions import BadRequest, ChecksumMismatch, ConfigError, NotFound
+from cmroot.index import Entry, Event, Index
+from cmroot.store.fsck import FsckReport, fsck
+from cmroot.store.layout import Layout
+from cmroot.store.objects import Objects
+from cmroot.store.recycle import (
+    DESTRUCTIVE_OPS,
+    Progress,
+    RecycleRequest,
+    RecycleResult,
+    Recycler,
+    validate_partitions,
+)
+from cmroot.store.resolve import Resolution, Resolver, parse_pairs
+from cmroot.store.sweep import SweepReport, sweep
+from cmroot.store.warehouse import Warehouse
+
+__all__ = ["EVENT_TYPES", "FileRef", "Store", "RecycleRequest", "RecycleResult", "Resolution"]
+
+log = logging.getLogger(__name__)
+
+EVENT_TYPES = frozenset(
+    {"CREATE_DATABASE", "CREATE_TABLE", "ADD_PARTITION", "INSERT", "ALTER_TABLE", "DROP_DATABASE"}
+)
+
+
+@dataclass(frozen=True)
+class FileRef:
+    """Where the bytes of a (path, checksum) pair are: the original or the store's object."""
+
+    status: str
+    fs: Any
+    path: str
+    size: int
+
+
+class Store:
+    def __init__(
+        self, config: StoreConfig, index: Index, clock: Callable[[], float] = time.time,
+        readonly: bool = False,
+    ) -> None:
+        root = local_path(config.root)
+        if root is None:
+            raise ConfigError(
+                f"store.root {config.root} is not a local path",
+                "object-store roots are not supported yet: use a local directory",
+            )
+        self.config = config
+        self.index = index
+        self.clock = clock
+        self.readonly = readonly
+        self.layout = Layout(root)
+        self._lock_fd = None if readonly else self.layout.lock()
+        self.warehouse = Warehouse(config.warehouse_roots)
+        self.objects = Objects(self.layout, index)
+        self.recycler = Recycler(self.layout, index, self.objects, self.warehouse, config, clock)
+        self.resolver = Resolver(self.layout, index, not readonly, cks.default_workers())
+        if not readonly:
+            if n := self.recycler.recover():
+                log.warning("rolled back interrupted recycles", extra={"count": n})
+
+    @classmethod
+    def open(
+        cls, config: Config, clock: Callable[[], float] = time.time, readonly: bool = False
+    ) -> Store:
+        os.makedirs(os.path.dirname(config.index_path), exist_ok=True)
+        return cls(config.store, Index(config.index_path), clock, readonly)
+
+    def close(self) -> None:
+        self.index.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def reconfigure(self, config: StoreConfig) -> None:
+        """Apply new retention settings (SIGHUP); roots and the store location stay."""
+        self.config = config
+        self.recycler.config = config
+
+    # -- writes ---------------------------------------------------------------------------
+    def recycle(self, req: RecycleRequest, progress: Progress | None = None) -> RecycleResult:
+        return self.recycler.recycle(req, progress)
+
+    def add_event(
+        self, type: str, db: str | None = None, table: str | None = None,
+        partitions: list[dict[str, str]] | None = None, files: list[dict[str, Any]] | None = None,
+        server: str | None = None,
+    ) -> int:
+        """Record a non-destructive event (CREATE_TABLE, ADD_PARTITION, INSERT, ...)."""
+        if type not in EVENT_TYPES:
+            raise BadRequest("unknown eventType", f"{type!r}: use one of {', '.join(sorted(EVENT_TYPES))}")
+        validate_partitions(partitions or [])
+        clean = []
+        for i, f in enumerate(files or []):
+            if not isinstance(f, dict) or not isinstance(f.get("size", 0), int):
+                raise BadRequest(f"bad file #{i}", 'each file is {"path", "checksum", "size"}')
+            loc = self.warehouse.locate(f.get("path"))
+            clean.append({"path": loc.key, "checksum": cks.validate(f.get("checksum")), "size": f.get("size", 0)})
+        return self.index.add_event(
+            Event(0, type, db, table, list(partitions or []), self.clock(),
+                  server or self.recycler.server, False, clean)
+        )
+
+    def gc(self, dry_run: bool = False, progress: Callable[[int], None] | None = None) -> SweepReport:
+        trash = self.config.on_expire == "trash"
+        return sweep(self.index, self.objects, self.clock(), trash, dry_run, progress)
+
+    def fsck(self, repair: bool = False, progress: Progress | None = None) -> FsckReport:
+        return fsck(self.layout, self.index, self.clock(), self.config.retain, repair, progress)
+
+    # -- reads ----------------------------------------------------------------------------
+    def resolve(self, pairs: object) -> list[Resolution]:
+        return self.resolver.resolve(parse_pairs(self.warehouse, pairs))
+
+    def locate(self, path: object, checksum: object) -> FileRef:
+        """The verified bytes for (path, checksum): the original if it still hashes to the
+        checksum, else the store's object if an entry records that pair."""
+        [(loc, c)] = parse_pairs(self.warehouse, [{"path": path, "checksum": checksum}])
+        original = self.resolver.original(loc)
+        if original is not None and self.resolver.checksums([original])[loc.key] == c:
+            return FileRef("original", loc.root.fs, loc.path, original.size)
+        if self.index.recorded([(loc.key, c)]):
+            obj = self.layout.object_path(c)
+            try:
+                return FileRef("cmroot", None, obj, os.path.getsize(obj))
+            except FileNotFoundError:
+                pass
+        raise NotFound("no such file", f"{loc.key} with checksum {c} is neither at its path nor in the store")
+
+    def verify_object(self, checksum: str) -> None:
+        """Re-hash a stored object; raise ChecksumMismatch if its bytes changed on disk."""
+        if cks.of_local_file(self.layout.object_path(checksum)) != checksum:
+            raise ChecksumMismatch("stored object is corrupt", f"object {checksum}: run cmroot fsck")
+
+    def entries(
+        self, db: str | None = None, table: str | None = None, limit: int = 100, cursor: int | None = None
+    ) -> list[Entry]:
+        return self.index.entries(db, table, limit, cursor)
+
+    def events(self, start: int = 0, limit: int = 100) -> list[Event]:
+        return self.index.events(start, limit)
+
+

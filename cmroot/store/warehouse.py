@@ -1,0 +1,173 @@
+"""Confinement: which paths the store may touch, in one canonical spelling.
+
+Every request path goes through `Warehouse.locate`: it is refused unless, once normalised
+and (for local files) with symlinks resolved, it lies under a configured warehouse root.
+The canonical spelling is what entries record, so `file:///wh/t/f` and `/wh/t/f` are one file.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import stat
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+
+from cmroot.config import local_path
+from cmroot.exceptions import BadRequest, NotFound, OutsideRoots
+
+MAX_PATH = 4096
+
+
+@dataclass(frozen=True)
+class Root:
+    url: str
+    fs: Any
+    path: str
+    local: bool
+    real: str
+
+
+@dataclass(frozen=True)
+class Located:
+    """A confined path: its canonical key, the root it lies under, and its path on `root.fs`."""
+
+    key: str
+    root: Root
+    path: str
+
+    @property
+    def local(self) -> bool:
+        return self.root.local
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    key: str
+    root: Root
+    path: str
+    size: int
+
+
+class Warehouse:
+    def __init__(self, roots: Sequence[str]) -> None:
+        self.roots: list[Root] = []
+        for url in roots:
+            lp = local_path(url)
+            if lp is not None:
+                fs = fsspec.filesystem("file")
+                self.roots.append(Root(lp, fs, lp, True, os.path.realpath(lp)))
+            else:
+                fs, path = fsspec.core.url_to_fs(url)
+                self.roots.append(Root(url.rstrip("/"), fs, path.rstrip("/"), False, ""))
+
+    def locate(self, raw: object) -> Located:
+        """Canonicalise and confine one request path (it need not exist)."""
+        if not isinstance(raw, str) or not raw:
+            raise BadRequest("bad path", f"{raw!r}: give an absolute path or URL as a string")
+        if "\0" in raw or len(raw) > MAX_PATH:
+            raise BadRequest("bad path", f"{raw[:200]!r}: NUL bytes and paths over 4096 chars are refused")
+        lp = local_path(raw)
+        if lp is not None:
+            if not lp.startswith("/"):
+                raise BadRequest("bad path", f"{raw!r} is relative: give an absolute path")
+            key = _normalise(lp, raw)
+            for root in self.roots:
+                if root.local and _under(key, root.url):
+                    real = os.path.realpath(key)
+                    if not any(r.local and _under(real, r.real) for r in self.roots):
+                        raise OutsideRoots(
+                            "path escapes the warehouse roots",
+                            f"{raw!r} resolves through a symlink to {real!r}",
+                        )
+                    return Located(key, root, key)
+            raise OutsideRoots("path outside the warehouse roots", f"{raw!r} is not under {self._names()}")
+        scheme, _, rest = raw.partition("://")
+        key = f"{scheme}://{_normalise('/' + rest, raw)[1:]}"
+        for root in self.roots:
+            if not root.local and _under(key, root.url):
+                return Located(key, root, root.path + key[len(root.url):])
+        raise OutsideRoots("path outside the warehouse roots", f"{raw!r} is not under {self._names()}")
+
+    def _names(self) -> str:
+        return ", ".join(r.url for r in self.roots)
+
+    def expand(self, located: Iterable[Located]) -> tuple[list[SourceFile], list[Located]]:
+        """The regular files under each path (directories recurse), and the directories
+        named. A missing path, a symlink or a special file refuses the whole request."""
+        files: dict[str, SourceFile] = {}
+        dirs: list[Located] = []
+        for loc in located:
+            if loc.local:
+                is_dir = _expand_local(self, loc, files)
+            else:
+                is_dir = _expand_remote(loc, files)
+            if is_dir:
+                dirs.append(loc)
+        return list(files.values()), dirs
+
+    def is_root(self, loc: Located) -> bool:
+        return loc.key == loc.root.url
+
+
+def _normalise(path: str, raw: str) -> str:
+    if ".." in path.split("/"):
+        raise BadRequest("bad path", f"{raw!r} has a '..' segment: give the plain absolute path")
+    return posixpath.normpath(path).replace("//", "/")
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _expand_local(wh: Warehouse, loc: Located, files: dict[str, SourceFile]) -> bool:
+    try:
+        st = os.lstat(loc.key)
+    except FileNotFoundError:
+        raise NotFound("no such file", f"{loc.key} does not exist") from None
+    if stat.S_ISDIR(st.st_mode):
+        _walk(wh, loc, loc.key, files)
+        return True
+    _add_local(wh, loc, loc.key, st, files)
+    return False
+
+
+def _walk(wh: Warehouse, loc: Located, top: str, files: dict[str, SourceFile]) -> None:
+    with os.scandir(top) as it:
+        for e in it:
+            st = e.stat(follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                _walk(wh, loc, e.path, files)
+            else:
+                _add_local(wh, loc, e.path, st, files)
+
+
+def _add_local(
+    wh: Warehouse, loc: Located, path: str, st: os.stat_result, files: dict[str, SourceFile]
+) -> None:
+    if stat.S_ISLNK(st.st_mode):
+        real = os.path.realpath(path)
+        if not any(r.local and _under(real, r.real) for r in wh.roots):
+            raise OutsideRoots("symlink escapes the warehouse roots", f"{path} points to {real}")
+        raise BadRequest("symlinks are not recycled", f"{path} is a symlink: recycle {real} instead")
+    if not stat.S_ISREG(st.st_mode):
+        raise BadRequest("not a regular file", f"{path} is a device, socket or pipe")
+    files[path] = SourceFile(path, loc.root, path, st.st_size)
+
+
+def _expand_remote(loc: Located, files: dict[str, SourceFile]) -> bool:
+    fs = loc.root.fs
+    try:
+        info = fs.info(loc.path)
+    except FileNotFoundError:
+        raise NotFound("no such file", f"{loc.key} does not exist") from None
+    if info["type"] == "directory":
+        for p, d in fs.find(loc.path, detail=True).items():
+            k = loc.root.url + p[len(loc.root.path) :]
+            files[k] = SourceFile(k, loc.root, p, int(d.get("size") or 0))
+        return True
+    files[loc.key] = SourceFile(loc.key, loc.root, loc.path, int(info.get("size") or 0))
+    return False
