@@ -119,6 +119,9 @@ class Config:
         return self.index.path or os.path.join(self.store.root, "index.sqlite")
 
 
+# Environment variables of the CLI and logging that are not config keys.
+_NOT_CONFIG = frozenset({"CMROOT_CONFIG", "CMROOT_TOKEN", "CMROOT_URL", "CMROOT_LOG_LEVEL"})
+
 _SECTIONS: dict[str, type[Any]] = {
     "store": StoreConfig,
     "server": ServerConfig,
@@ -163,7 +166,7 @@ def _merge_toml(raw: dict[str, dict[str, Any]], path: str | os.PathLike[str]) ->
 
 def _apply_env(raw: dict[str, dict[str, Any]], env: Mapping[str, str]) -> None:
     for name, value in env.items():
-        if not name.startswith("CMROOT_") or name in ("CMROOT_CONFIG", "CMROOT_TOKEN", "CMROOT_URL"):
+        if not name.startswith("CMROOT_") or name in _NOT_CONFIG:
             continue
         rest = name[len("CMROOT_") :].lower()
         section, _, key = rest.partition("_")

@@ -1,0 +1,364 @@
+"""The `cmroot` command line.
+
+Every verb but `serve`, `checksum` and `token` acts either directly on the store named by
+the config, or, with `--url` (or when a running daemon holds the store), through that
+daemon's HTTP API. Both paths return the same JSON, so `--json` output does not depend on
+which was used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import fsspec
+
+from cmroot import __version__
+from cmroot import checksum as cks
+from cmroot import config as cfg
+from cmroot.exceptions import BadRequest, CmrootError, StoreLocked
+from cmroot.logs import setup_logging
+from cmroot.store import RecycleRequest, Store
+
+log = logging.getLogger("cmroot.cli")
+
+
+class Progress:
+    """A one-line progress counter on stderr; silent when stderr is not a terminal
+    unless the work is long, then a line every few seconds."""
+
+    def __init__(self, label: str, enabled: bool = True) -> None:
+        self.label = label
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
+        self._last = time.monotonic()
+
+    def __call__(self, done: int, total: int | None = None) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        final = total is not None and done >= total
+        if not final and now - self._last < (0.2 if self.tty else 5.0):
+            return
+        self._last = now
+        text = f"{self.label}: {done}" + (f"/{total}" if total else "")
+        if self.tty:
+            sys.stderr.write("\r" + text + ("\n" if final else ""))
+        elif not final or done > 1000:
+            sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cmroot", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"cmroot {__version__}")
+    # Global options work before or after the verb; SUPPRESS keeps a subparser from
+    # overwriting a value given before it, and `_COMMON_DEFAULTS` fills what is left.
+    common = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    common.add_argument("--config", help="TOML config or hive-site.xml (default: $CMROOT_CONFIG, /etc/cmroot/cmroot.toml)")
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    common.add_argument("--url", help="act through the daemon at this URL (or $CMROOT_URL)")
+    common.add_argument("--token", help="bearer token for the daemon (or $CMROOT_TOKEN)")
+    common.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    for action in common._actions:
+        p._add_action(action)
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    s = sub.add_parser("serve", parents=[common], help="run the daemon in the foreground")
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+
+    s = sub.add_parser("recycle", parents=[common], help="move (or copy) files into the store")
+    s.add_argument("paths", nargs="+")
+    s.add_argument("--mode", choices=["move", "copy"], default="move")
+    s.add_argument("--purge", action="store_true", help="delete, not trash, at expiry")
+    s.add_argument("--op", default="DELETE")
+    s.add_argument("--db")
+    s.add_argument("--table")
+    s.add_argument("--partition", action="append", default=[], metavar="K=V[,K=V]")
+
+    s = sub.add_parser("resolve", parents=[common], help="where are the bytes of PATH@CHECKSUM")
+    s.add_argument("pairs", nargs="*", metavar="PATH@CHECKSUM")
+    s.add_argument("--from-file", help="JSON list of {path, checksum}, or lines 'PATH CHECKSUM' ('-': stdin)")
+
+    s = sub.add_parser("get", parents=[common], help="write the bytes of (PATH, CHECKSUM)")
+    s.add_argument("path")
+    s.add_argument("checksum")
+    s.add_argument("-o", "--output", help="file to write (default: stdout)")
+
+    s = sub.add_parser("ls", parents=[common], help="list entries, newest first")
+    s.add_argument("--db")
+    s.add_argument("--table")
+    s.add_argument("--limit", type=int, default=100)
+    s.add_argument("--cursor", type=int)
+
+    s = sub.add_parser("gc", parents=[common], help="run a retention sweep now")
+    s.add_argument("--dry-run", action="store_true")
+
+    s = sub.add_parser("checksum", parents=[common], help="xxh3-128 of files (paths or fsspec URLs)")
+    s.add_argument("paths", nargs="+")
+
+    s = sub.add_parser("fsck", parents=[common], help="check store and index agree")
+    s.add_argument("--repair", action="store_true")
+
+    s = sub.add_parser("token", parents=[common], help="create API tokens")
+    s.add_argument("action", choices=["create"])
+    s.add_argument("--scope", choices=["read", "write", "admin"], required=True)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    for key, default in _common_defaults().items():
+        if not hasattr(args, key):
+            setattr(args, key, default)
+    setup_logging()
+    try:
+        return _VERBS[args.verb](args)
+    except CmrootError as e:
+        _fail(args, e.message, e.detail, type(e).__name__)
+        return 2 if e.status < 500 else 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _common_defaults() -> dict[str, Any]:
+    return {
+        "config": None, "json": False, "quiet": False,
+        "url": os.environ.get("CMROOT_URL"), "token": os.environ.get("CMROOT_TOKEN"),
+    }
+
+
+def _fail(args: argparse.Namespace, message: str, detail: str, kind: str) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps({"error": message, "detail": detail, "kind": kind}), file=sys.stderr)
+    else:
+        print(f"cmroot: {message}" + (f": {detail}" if detail else ""), file=sys.stderr)
+
+
+def _load(args: argparse.Namespace) -> cfg.Config:
+    return cfg.load(args.config or cfg.default_config_path())
+
+
+def _out(args: argparse.Namespace, data: Any, human: Callable[[Any], str]) -> None:
+    print(json.dumps(data, indent=None if args.json else 2) if args.json else human(data))
+
+
+@contextmanager
+def _backend(args: argparse.Namespace, readonly: bool = False) -> Iterator[Any]:
+    """A Store opened directly, or a Client of the daemon. With no --url, a store held by a
+    running daemon is reached through that daemon."""
+    config = _load(args)
+    if args.url:
+        yield _client(args.url, args.token)
+        return
+    try:
+        store = Store.open(config, readonly=readonly)
+    except StoreLocked:
+        log.info("store in use by the daemon; acting through it", extra={"url": config.server.base_url})
+        yield _client(config.server.base_url, args.token)
+        return
+    try:
+        yield _Direct(store)
+    finally:
+        store.close()
+
+
+def _client(url: str, token: str | None) -> Any:
+    from cmroot.client import Client
+
+    return Client(url, token)
+
+
+class _Direct:
+    """The store, answering with the same JSON shapes as the daemon's API."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def recycle(self, paths: list[str], progress: Callable[[int, int], None] | None = None,
+                **kw: Any) -> dict[str, Any]:
+        return self.store.recycle(RecycleRequest(paths=paths, **kw), progress).to_json()
+
+    def resolve(self, files: list[dict[str, str]]) -> dict[str, Any]:
+        return {"files": [r.to_json() for r in self.store.resolve(files)]}
+
+    def get(self, path: str, checksum: str, out: Any) -> int:
+        ref = self.store.locate(path, checksum)
+        opener = ref.fs.open if ref.fs is not None else open
+        with opener(ref.path, "rb") as f:
+            shutil.copyfileobj(f, out, cks.CHUNK)
+        return ref.size
+
+    def entries(self, **kw: Any) -> dict[str, Any]:
+        rows = self.store.entries(**kw)
+        return {"entries": [e.to_json() for e in rows], "cursor": rows[-1].id if rows else None}
+
+    def gc(self, dry_run: bool, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+        return self.store.gc(dry_run, progress).to_json()
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from cmroot.server.main import serve
+
+    return serve(_load(args), host=args.host, port=args.port)
+
+
+def _recycle(args: argparse.Namespace) -> int:
+    partitions = [_kv(p) for p in args.partition]
+    with _backend(args) as b:
+        res = b.recycle(
+            list(args.paths), mode=args.mode, purge=args.purge, op=args.op, db=args.db,
+            table=args.table, partitions=partitions,
+            progress=Progress("recycled files", not args.quiet),
+        )
+    _out(args, res, lambda r: "\n".join(
+        [f"event {r['event_id']}: {len(r['files'])} files recycled"]
+        + [f"{f['checksum']}  {f['size']:>12}  {f['path']}" for f in r["files"]]
+    ))
+    return 0
+
+
+def _kv(text: str) -> dict[str, str]:
+    out = {}
+    for part in text.split(","):
+        k, sep, v = part.partition("=")
+        if not sep or not k:
+            raise BadRequest("bad --partition", f"{text!r}: write key=value[,key=value]")
+        out[k] = v
+    return out
+
+
+def _resolve(args: argparse.Namespace) -> int:
+    files = [_pair(p) for p in args.pairs]
+    if args.from_file:
+        files += _read_pairs(args.from_file)
+    if not files:
+        raise BadRequest("nothing to resolve", "give PATH@CHECKSUM arguments or --from-file")
+    with _backend(args, readonly=True) as b:
+        res = b.resolve(files)
+    _out(args, res, lambda r: "\n".join(
+        f"{f['status']:<8}  {f['checksum']}  {f['path']}" + (f"  -> {f['location']}" if f["status"] == "cmroot" else "")
+        for f in r["files"]
+    ))
+    return 0 if all(f["status"] != "missing" for f in res["files"]) else 3
+
+
+def _pair(text: str) -> dict[str, str]:
+    path, sep, checksum = text.rpartition("@")
+    if not sep:
+        raise BadRequest("bad pair", f"{text!r}: write PATH@CHECKSUM")
+    return {"path": path, "checksum": checksum}
+
+
+def _read_pairs(source: str) -> list[dict[str, str]]:
+    text = sys.stdin.read() if source == "-" else open(source).read()
+    if text.lstrip().startswith("["):
+        data = json.loads(text)
+        if not isinstance(data, list):
+            raise BadRequest("bad --from-file", "the JSON must be a list of {path, checksum}")
+        return data
+    pairs = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            path, _, checksum = line.strip().rpartition(" ")
+            if not path:
+                raise BadRequest("bad --from-file", f"line {n}: write 'PATH CHECKSUM'")
+            pairs.append({"path": path.strip(), "checksum": checksum})
+    return pairs
+
+
+def _get(args: argparse.Namespace) -> int:
+    with _backend(args, readonly=True) as b:
+        if args.output:
+            tmp = args.output + ".cmroot-part"
+            with open(tmp, "wb") as out:
+                size = b.get(args.path, args.checksum, out)
+            os.replace(tmp, args.output)
+        else:
+            size = b.get(args.path, args.checksum, sys.stdout.buffer)
+            sys.stdout.buffer.flush()
+    if args.output:
+        _out(args, {"path": args.path, "checksum": args.checksum, "size": size, "output": args.output},
+             lambda r: f"wrote {r['size']} bytes to {r['output']}")
+    return 0
+
+
+def _ls(args: argparse.Namespace) -> int:
+    with _backend(args, readonly=True) as b:
+        res = b.entries(db=args.db, table=args.table, limit=args.limit, cursor=args.cursor)
+    _out(args, res, lambda r: "\n".join(
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(e['recycled']))}  {e['op']:<16} "
+        f"{e['checksum']}  {e['size']:>12}  {e['path']}"
+        for e in r["entries"]
+    ))
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    with _backend(args) as b:
+        res = b.gc(args.dry_run, progress=Progress("removed objects", not args.quiet))
+    verb = "would remove" if res["dry_run"] else "removed"
+    _out(args, res, lambda r: (
+        f"{verb} {r['removed_objects']} objects ({r['removed_bytes']} bytes); "
+        f"{len(r['failed'])} failed, {r['skipped']} skipped (in use)"
+        + "".join(f"\nfailed {f['checksum']}: {f['error']}" for f in r["failed"])
+    ))
+    return 1 if res["failed"] else 0
+
+
+def _checksum(args: argparse.Namespace) -> int:
+    def one(url: str) -> str:
+        fs, path = fsspec.core.url_to_fs(url)
+        return cks.of_file(fs, path)
+
+    progress = Progress("hashed files", not args.quiet and len(args.paths) > 100)
+    rows = [
+        {"path": p, "checksum": c}
+        for p, c in cks.many(one, args.paths, progress=lambda i: progress(i, len(args.paths)))
+    ]
+    _out(args, {"files": rows}, lambda r: "\n".join(f"{f['checksum']}  {f['path']}" for f in r["files"]))
+    return 0
+
+
+def _fsck(args: argparse.Namespace) -> int:
+    config = _load(args)
+    with Store.open(config) as store:
+        report = store.fsck(args.repair, Progress("checked objects", not args.quiet))
+    res = report.to_json()
+    _out(args, res, lambda r: (
+        f"checked {r['checked']} objects: " + ("clean" if r["clean"] else
+        f"{len(r['unindexed'])} unindexed, {len(r['missing'])} missing, "
+        f"{len(r['corrupt'])} corrupt, {len(r['stray'])} stray files")
+        + (" (repaired)" if r["repair"] and not r["clean"] else "")
+    ))
+    return 0 if report.clean or args.repair else 1
+
+
+def _token(args: argparse.Namespace) -> int:
+    from cmroot.server.auth import new_token
+
+    token, line = new_token(args.scope)
+    _out(args, {"token": token, "scope": args.scope, "config": line}, lambda r: (
+        f"token (give it to the client; it is not stored): {r['token']}\n"
+        f"add to [auth] tokens in the config:  {r['config']}"
+    ))
+    return 0
+
+
+_VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "serve": _serve, "recycle": _recycle, "resolve": _resolve, "get": _get, "ls": _ls,
+    "gc": _gc, "checksum": _checksum, "fsck": _fsck, "token": _token,
+}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
