@@ -66,3 +66,20 @@ class ChecksumMismatch(CmrootError):
 
 class RecycleFailed(CmrootError):
     """A recycle that was rolled back: every file is back at its source."""
+
+
+class DaemonUnavailable(CmrootError):
+    """The daemon could not be reached, or the connection broke mid-request."""
+
+    status = 503
+
+
+_BY_STATUS: dict[int, type[CmrootError]] = {
+    400: BadRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict,
+    413: PayloadTooLarge, 503: DaemonUnavailable,
+}
+
+
+def for_status(status: int) -> type[CmrootError]:
+    """The error class a daemon's HTTP status stands for (clients re-raise these)."""
+    return _BY_STATUS.get(status, CmrootError)

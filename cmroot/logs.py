@@ -33,3 +33,5 @@ def setup_logging(level: str | None = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel((level or os.environ.get("CMROOT_LOG_LEVEL", "INFO")).upper())
+    # The scheduler logs every run at info; its warnings (missed runs) still show.
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)

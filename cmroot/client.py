@@ -1,0 +1,161 @@
+"""A small synchronous client of the daemon, for Spark drivers and executors, hooks and
+the CLI's `--url` mode. One keep-alive connection per thread; errors come back as the
+same cmroot.exceptions the store raises."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import ssl
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+from urllib.parse import urlencode, urlsplit
+
+from cmroot.exceptions import CmrootError, DaemonUnavailable, for_status
+
+
+class Client:
+    def __init__(self, url: str, token: str | None = None, timeout: float = 600.0,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise CmrootError("bad daemon URL", f"{url!r}: write http://host:port")
+        self.url = url.rstrip("/")
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname
+        self._port = parts.port or (443 if self._https else 80)
+        self._token = token
+        self._timeout = timeout
+        self._ssl = ssl_context
+        self._local = threading.local()
+
+    # -- API -------------------------------------------------------------------------------
+    def recycle(self, paths: list[str], progress: Callable[[int, int], None] | None = None,
+                **kw: Any) -> dict[str, Any]:
+        """POST /v1/recycle; kw: mode, purge, op, db, table, partitions."""
+        body = {"paths": paths, **{k: v for k, v in kw.items() if v is not None}}
+        try:
+            res = self._json("POST", "/v1/recycle", body)
+        except DaemonUnavailable as e:
+            raise DaemonUnavailable(
+                "connection to the cmroot daemon lost during recycle",
+                f"{e.detail}; the request is wholly applied or wholly rolled back when the "
+                "daemon restarts: check GET /v1/entries or resolve the paths before retrying",
+            ) from e
+        if progress:
+            progress(len(res["files"]), len(res["files"]))
+        return res
+
+    def resolve(self, files: list[dict[str, str]]) -> dict[str, Any]:
+        return self._json("POST", "/v1/resolve", {"files": files})
+
+    def get(self, path: str, checksum: str, out: IO[bytes]) -> int:
+        """Write the bytes of (path, checksum) to `out`; returns the byte count."""
+        with self.open(path, checksum) as resp:
+            n = int(resp.getheader("Content-Length") or 0)
+            shutil.copyfileobj(resp, out, 1 << 20)
+        return n
+
+    @contextmanager
+    def open(self, path: str, checksum: str, byte_range: tuple[int, int] | None = None
+             ) -> Iterator[http.client.HTTPResponse]:
+        """Stream the bytes of (path, checksum); `byte_range` is (first, last) inclusive."""
+        headers = {"Range": f"bytes={byte_range[0]}-{byte_range[1]}"} if byte_range else {}
+        resp = self._request("GET", "/v1/files?" + urlencode({"path": path, "checksum": checksum}),
+                             None, headers)
+        try:
+            if resp.status >= 400:
+                self._raise(resp)
+            yield resp
+        finally:
+            resp.read() if not resp.isclosed() else None
+
+    def entries(self, **kw: Any) -> dict[str, Any]:
+        query = urlencode({k: v for k, v in kw.items() if v is not None})
+        return self._json("GET", "/v1/entries?" + query)
+
+    def events(self, start: int = 0, limit: int = 100) -> list[dict[str, Any]]:
+        res = self._json("GET", f"/v1/events?from={start}&limit={limit}")
+        return list(res["events"])
+
+    def current_event(self) -> int:
+        return int(self._json("GET", "/v1/events/current")["id"])
+
+    def add_event(self, event_type: str, **kw: Any) -> int:
+        """POST /v1/events; kw: db, table, partitions, files, server."""
+        return int(self._json("POST", "/v1/events", {"eventType": event_type, **kw})["id"])
+
+    def gc(self, dry_run: bool = False, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+        return self._json("POST", f"/v1/gc?dry_run={'true' if dry_run else 'false'}")
+
+    def healthy(self) -> bool:
+        try:
+            return self._json("GET", "/readyz").get("status") == "ready"
+        except CmrootError:
+            return False
+
+    # -- transport --------------------------------------------------------------------------
+    def _json(self, method: str, path: str, body: Any = None) -> Any:
+        resp = self._request(method, path, body)
+        if resp.status >= 400:
+            self._raise(resp)
+        data = resp.read()
+        try:
+            return json.loads(data)
+        except json.JSONDecodeError as e:
+            raise CmrootError("bad answer from the cmroot daemon", f"{self.url}{path}: {e}") from None
+
+    def _raise(self, resp: http.client.HTTPResponse) -> None:
+        data = resp.read()
+        try:
+            err = json.loads(data)
+            message, detail = err.get("error", ""), err.get("detail", "")
+        except (json.JSONDecodeError, AttributeError):
+            message, detail = f"HTTP {resp.status}", data[:200].decode(errors="replace")
+        raise for_status(resp.status)(message or f"HTTP {resp.status}", detail)
+
+    def _request(self, method: str, path: str, body: Any, headers: dict[str, str] | None = None
+                 ) -> http.client.HTTPResponse:
+        payload = json.dumps(body).encode() if body is not None else None
+        hdrs = {"Accept": "application/json", **(headers or {})}
+        if payload is not None:
+            hdrs["Content-Type"] = "application/json"
+        if self._token:
+            hdrs["Authorization"] = f"Bearer {self._token}"
+        # One retry on a stale keep-alive connection, only for requests that change nothing.
+        for attempt in (0, 1):
+            conn = self._connection()
+            try:
+                conn.request(method, path, payload, hdrs)
+                return conn.getresponse()
+            except (ConnectionError, http.client.HTTPException, OSError) as e:
+                conn.close()
+                self._local.conn = None
+                if attempt == 0 and method == "GET" and isinstance(
+                    e, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+                ):
+                    continue
+                raise DaemonUnavailable(
+                    "cmroot daemon unreachable", f"{method} {self.url}{path}: {e}; is `cmroot serve` running?"
+                ) from e
+        raise AssertionError("unreachable")
+
+    def _connection(self) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            if self._https:
+                conn = http.client.HTTPSConnection(self._host, self._port, timeout=self._timeout,
+                                                   context=self._ssl)
+            else:
+                conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+            self._local.conn = conn
+        return conn
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None

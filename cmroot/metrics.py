@@ -1,0 +1,84 @@
+"""Prometheus metrics. Everything takes a registry (no global state); the store's size is
+read from the index's running totals at scrape time by a collector, never by listing files."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from cmroot.index import Index
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.recycled_files = Counter(
+            "cmroot_recycled_files", "Files recycled into the store.", ["op"], registry=registry
+        )
+        self.recycled_bytes = Counter(
+            "cmroot_recycled_bytes", "Bytes recycled into the store.", ["op"], registry=registry
+        )
+        self.recycle_errors = Counter(
+            "cmroot_recycle_errors", "Recycle requests that failed (and were rolled back).",
+            registry=registry,
+        )
+        self.gc_runs = Counter(
+            "cmroot_gc_runs", "Retention sweeps, by result.", ["result"], registry=registry
+        )
+        self.gc_deleted_objects = Counter(
+            "cmroot_gc_deleted_objects", "Objects removed by retention sweeps.", registry=registry
+        )
+        self.gc_deleted_bytes = Counter(
+            "cmroot_gc_deleted_bytes", "Bytes removed by retention sweeps.", registry=registry
+        )
+        self.gc_duration = Histogram(
+            "cmroot_gc_duration_seconds", "Duration of retention sweeps.", registry=registry,
+            buckets=(0.01, 0.1, 0.5, 1, 5, 15, 60, 300, 1800),
+        )
+        self.gc_last_success = Gauge(
+            "cmroot_gc_last_success_timestamp_seconds", "When the last sweep succeeded.",
+            registry=registry,
+        )
+        self.resolve = Counter(
+            "cmroot_resolve", "Resolved (path, checksum) pairs, by status.", ["status"],
+            registry=registry,
+        )
+        self.served_bytes = Counter(
+            "cmroot_served_bytes", "Bytes served by GET /v1/files.", registry=registry
+        )
+        self.checksum_mismatches = Counter(
+            "cmroot_checksum_mismatches", "Bytes found not to match their checksum (never served).",
+            registry=registry,
+        )
+        self.http_requests = Counter(
+            "cmroot_http_requests", "HTTP requests, by route and status code.",
+            ["route", "code"], registry=registry,
+        )
+        for status in ("original", "cmroot", "missing"):
+            self.resolve.labels(status)
+        for result in ("success", "failure"):
+            self.gc_runs.labels(result)
+
+
+class StoreCollector(Collector):
+    """Store gauges computed from the index when Prometheus scrapes."""
+
+    def __init__(self, index: Index) -> None:
+        self.index = index
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        objects, size, oldest = self.index.stats()
+        yield GaugeMetricFamily("cmroot_store_objects", "Objects in the store.", value=objects)
+        yield GaugeMetricFamily("cmroot_store_bytes", "Bytes in the store.", value=size)
+        yield GaugeMetricFamily(
+            "cmroot_oldest_object_timestamp_seconds",
+            "When the oldest object still in the store was first recycled (0 when empty).",
+            value=oldest or 0,
+        )
+        yield GaugeMetricFamily(
+            "cmroot_last_event_id", "Id of the newest event in the log.",
+            value=self.index.current_event_id(),
+        )

@@ -1,0 +1,1 @@
+"""The daemon: HTTP API (`app`), auth, the scheduled sweep and the service lifecycle (`main`)."""

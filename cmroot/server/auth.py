@@ -1,0 +1,55 @@
+"""Bearer tokens with scopes. The config holds only SHA-256 hashes of tokens, as
+`"<scope>:sha256:<hex>"`; `admin` implies `write`, which implies `read`."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Iterable
+
+from cmroot.exceptions import ConfigError, Forbidden, Unauthorized
+
+SCOPES = ("read", "write", "admin")
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_token(scope: str) -> tuple[str, str]:
+    """A fresh token and the config line that admits it."""
+    if scope not in SCOPES:
+        raise ConfigError(f"unknown scope {scope!r}", f"use one of {', '.join(SCOPES)}")
+    token = "cmr_" + secrets.token_urlsafe(32)
+    return token, f'tokens = ["{scope}:sha256:{hash_token(token)}"]'
+
+
+class Tokens:
+    def __init__(self, entries: Iterable[str]) -> None:
+        self._scopes: dict[str, str] = {}
+        for entry in entries:
+            scope, _, rest = entry.partition(":")
+            algo, _, digest = rest.partition(":")
+            if scope not in SCOPES or algo != "sha256" or len(digest) != 64:
+                raise ConfigError(
+                    "bad auth.tokens entry",
+                    f"{entry[:20]}...: write \"<read|write|admin>:sha256:<64 hex>\" "
+                    "(cmroot token create --scope read prints one)",
+                )
+            self._scopes[digest.lower()] = scope
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._scopes)
+
+    def check(self, authorization: str | None, needed: str) -> None:
+        """Raise Unauthorized/Forbidden unless the header carries a token with `needed`."""
+        if not self.enabled:
+            return
+        if not authorization or not authorization.startswith("Bearer "):
+            raise Unauthorized("missing token", "send Authorization: Bearer <token>")
+        scope = self._scopes.get(hash_token(authorization[len("Bearer ") :].strip()))
+        if scope is None:
+            raise Unauthorized("unknown token", "the token is not in this daemon's auth.tokens")
+        if SCOPES.index(scope) < SCOPES.index(needed):
+            raise Forbidden("insufficient scope", f"this call needs a {needed!r} token, not {scope!r}")
