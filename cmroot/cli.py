@@ -63,7 +63,10 @@ def _parser() -> argparse.ArgumentParser:
     # Global options work before or after the verb; SUPPRESS keeps a subparser from
     # overwriting a value given before it, and `_COMMON_DEFAULTS` fills what is left.
     common = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
-    common.add_argument("--config", help="TOML config or hive-site.xml (default: $CMROOT_CONFIG, /etc/cmroot/cmroot.toml)")
+    common.add_argument(
+        "--config",
+        help="TOML config or hive-site.xml (default: $CMROOT_CONFIG, /etc/cmroot/cmroot.toml)",
+    )
     common.add_argument("--json", action="store_true", help="machine-readable output")
     common.add_argument("--url", help="act through the daemon at this URL (or $CMROOT_URL)")
     common.add_argument("--token", help="bearer token for the daemon (or $CMROOT_TOKEN)")
@@ -87,7 +90,9 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("resolve", parents=[common], help="where are the bytes of PATH@CHECKSUM")
     s.add_argument("pairs", nargs="*", metavar="PATH@CHECKSUM")
-    s.add_argument("--from-file", help="JSON list of {path, checksum}, or lines 'PATH CHECKSUM' ('-': stdin)")
+    s.add_argument(
+        "--from-file", help="JSON list of {path, checksum}, or lines 'PATH CHECKSUM' ('-': stdin)"
+    )
 
     s = sub.add_parser("get", parents=[common], help="write the bytes of (PATH, CHECKSUM)")
     s.add_argument("path")
@@ -103,7 +108,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("gc", parents=[common], help="run a retention sweep now")
     s.add_argument("--dry-run", action="store_true")
 
-    s = sub.add_parser("checksum", parents=[common], help="xxh3-128 of files (paths or fsspec URLs)")
+    s = sub.add_parser(
+        "checksum", parents=[common], help="xxh3-128 of files (paths or fsspec URLs)"
+    )
     s.add_argument("paths", nargs="+")
 
     s = sub.add_parser("fsck", parents=[common], help="check store and index agree")
@@ -132,8 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _common_defaults() -> dict[str, Any]:
     return {
-        "config": None, "json": False, "quiet": False,
-        "url": os.environ.get("CMROOT_URL"), "token": os.environ.get("CMROOT_TOKEN"),
+        "config": None,
+        "json": False,
+        "quiet": False,
+        "url": os.environ.get("CMROOT_URL"),
+        "token": os.environ.get("CMROOT_TOKEN"),
     }
 
 
@@ -163,7 +173,9 @@ def _backend(args: argparse.Namespace, readonly: bool = False) -> Iterator[Any]:
     try:
         store = Store.open(config, readonly=readonly)
     except StoreLocked:
-        log.info("store in use by the daemon; acting through it", extra={"url": config.server.base_url})
+        log.info(
+            "store in use by the daemon; acting through it", extra={"url": config.server.base_url}
+        )
         yield _client(config.server.base_url, args.token)
         return
     try:
@@ -184,8 +196,9 @@ class _Direct:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    def recycle(self, paths: list[str], progress: Callable[[int, int], None] | None = None,
-                **kw: Any) -> dict[str, Any]:
+    def recycle(
+        self, paths: list[str], progress: Callable[[int, int], None] | None = None, **kw: Any
+    ) -> dict[str, Any]:
         return self.store.recycle(RecycleRequest(paths=paths, **kw), progress).to_json()
 
     def resolve(self, files: list[dict[str, str]]) -> dict[str, Any]:
@@ -216,14 +229,23 @@ def _recycle(args: argparse.Namespace) -> int:
     partitions = [_kv(p) for p in args.partition]
     with _backend(args) as b:
         res = b.recycle(
-            list(args.paths), mode=args.mode, purge=args.purge, op=args.op, db=args.db,
-            table=args.table, partitions=partitions,
+            list(args.paths),
+            mode=args.mode,
+            purge=args.purge,
+            op=args.op,
+            db=args.db,
+            table=args.table,
+            partitions=partitions,
             progress=Progress("recycled files", not args.quiet),
         )
-    _out(args, res, lambda r: "\n".join(
-        [f"event {r['event_id']}: {len(r['files'])} files recycled"]
-        + [f"{f['checksum']}  {f['size']:>12}  {f['path']}" for f in r["files"]]
-    ))
+    _out(
+        args,
+        res,
+        lambda r: "\n".join(
+            [f"event {r['event_id']}: {len(r['files'])} files recycled"]
+            + [f"{f['checksum']}  {f['size']:>12}  {f['path']}" for f in r["files"]]
+        ),
+    )
     return 0
 
 
@@ -245,10 +267,15 @@ def _resolve(args: argparse.Namespace) -> int:
         raise BadRequest("nothing to resolve", "give PATH@CHECKSUM arguments or --from-file")
     with _backend(args, readonly=True) as b:
         res = b.resolve(files)
-    _out(args, res, lambda r: "\n".join(
-        f"{f['status']:<8}  {f['checksum']}  {f['path']}" + (f"  -> {f['location']}" if f["status"] == "cmroot" else "")
-        for f in r["files"]
-    ))
+    _out(
+        args,
+        res,
+        lambda r: "\n".join(
+            f"{f['status']:<8}  {f['checksum']}  {f['path']}"
+            + (f"  -> {f['location']}" if f["status"] == "cmroot" else "")
+            for f in r["files"]
+        ),
+    )
     return 0 if all(f["status"] != "missing" for f in res["files"]) else 3
 
 
@@ -260,7 +287,11 @@ def _pair(text: str) -> dict[str, str]:
 
 
 def _read_pairs(source: str) -> list[dict[str, str]]:
-    text = sys.stdin.read() if source == "-" else open(source).read()
+    if source == "-":
+        text = sys.stdin.read()
+    else:
+        with open(source) as f:
+            text = f.read()
     if text.lstrip().startswith("["):
         data = json.loads(text)
         if not isinstance(data, list):
@@ -287,19 +318,26 @@ def _get(args: argparse.Namespace) -> int:
             size = b.get(args.path, args.checksum, sys.stdout.buffer)
             sys.stdout.buffer.flush()
     if args.output:
-        _out(args, {"path": args.path, "checksum": args.checksum, "size": size, "output": args.output},
-             lambda r: f"wrote {r['size']} bytes to {r['output']}")
+        _out(
+            args,
+            {"path": args.path, "checksum": args.checksum, "size": size, "output": args.output},
+            lambda r: f"wrote {r['size']} bytes to {r['output']}",
+        )
     return 0
 
 
 def _ls(args: argparse.Namespace) -> int:
     with _backend(args, readonly=True) as b:
         res = b.entries(db=args.db, table=args.table, limit=args.limit, cursor=args.cursor)
-    _out(args, res, lambda r: "\n".join(
-        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(e['recycled']))}  {e['op']:<16} "
-        f"{e['checksum']}  {e['size']:>12}  {e['path']}"
-        for e in r["entries"]
-    ))
+    _out(
+        args,
+        res,
+        lambda r: "\n".join(
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(e['recycled']))}  {e['op']:<16} "
+            f"{e['checksum']}  {e['size']:>12}  {e['path']}"
+            for e in r["entries"]
+        ),
+    )
     return 0
 
 
@@ -307,11 +345,15 @@ def _gc(args: argparse.Namespace) -> int:
     with _backend(args) as b:
         res = b.gc(args.dry_run, progress=Progress("removed objects", not args.quiet))
     verb = "would remove" if res["dry_run"] else "removed"
-    _out(args, res, lambda r: (
-        f"{verb} {r['removed_objects']} objects ({r['removed_bytes']} bytes); "
-        f"{len(r['failed'])} failed, {r['skipped']} skipped (in use)"
-        + "".join(f"\nfailed {f['checksum']}: {f['error']}" for f in r["failed"])
-    ))
+    _out(
+        args,
+        res,
+        lambda r: (
+            f"{verb} {r['removed_objects']} objects ({r['removed_bytes']} bytes); "
+            f"{len(r['failed'])} failed, {r['skipped']} skipped (in use)"
+            + "".join(f"\nfailed {f['checksum']}: {f['error']}" for f in r["failed"])
+        ),
+    )
     return 1 if res["failed"] else 0
 
 
@@ -325,7 +367,11 @@ def _checksum(args: argparse.Namespace) -> int:
         {"path": p, "checksum": c}
         for p, c in cks.many(one, args.paths, progress=lambda i: progress(i, len(args.paths)))
     ]
-    _out(args, {"files": rows}, lambda r: "\n".join(f"{f['checksum']}  {f['path']}" for f in r["files"]))
+    _out(
+        args,
+        {"files": rows},
+        lambda r: "\n".join(f"{f['checksum']}  {f['path']}" for f in r["files"]),
+    )
     return 0
 
 
@@ -334,12 +380,20 @@ def _fsck(args: argparse.Namespace) -> int:
     with Store.open(config) as store:
         report = store.fsck(args.repair, Progress("checked objects", not args.quiet))
     res = report.to_json()
-    _out(args, res, lambda r: (
-        f"checked {r['checked']} objects: " + ("clean" if r["clean"] else
-        f"{len(r['unindexed'])} unindexed, {len(r['missing'])} missing, "
-        f"{len(r['corrupt'])} corrupt, {len(r['stray'])} stray files")
-        + (" (repaired)" if r["repair"] and not r["clean"] else "")
-    ))
+    _out(
+        args,
+        res,
+        lambda r: (
+            f"checked {r['checked']} objects: "
+            + (
+                "clean"
+                if r["clean"]
+                else f"{len(r['unindexed'])} unindexed, {len(r['missing'])} missing, "
+                f"{len(r['corrupt'])} corrupt, {len(r['stray'])} stray files"
+            )
+            + (" (repaired)" if r["repair"] and not r["clean"] else "")
+        ),
+    )
     return 0 if report.clean or args.repair else 1
 
 
@@ -347,16 +401,27 @@ def _token(args: argparse.Namespace) -> int:
     from cmroot.server.auth import new_token
 
     token, line = new_token(args.scope)
-    _out(args, {"token": token, "scope": args.scope, "config": line}, lambda r: (
-        f"token (give it to the client; it is not stored): {r['token']}\n"
-        f"add to [auth] tokens in the config:  {r['config']}"
-    ))
+    _out(
+        args,
+        {"token": token, "scope": args.scope, "config": line},
+        lambda r: (
+            f"token (give it to the client; it is not stored): {r['token']}\n"
+            f"add to [auth] tokens in the config:  {r['config']}"
+        ),
+    )
     return 0
 
 
 _VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "serve": _serve, "recycle": _recycle, "resolve": _resolve, "get": _get, "ls": _ls,
-    "gc": _gc, "checksum": _checksum, "fsck": _fsck, "token": _token,
+    "serve": _serve,
+    "recycle": _recycle,
+    "resolve": _resolve,
+    "get": _get,
+    "ls": _ls,
+    "gc": _gc,
+    "checksum": _checksum,
+    "fsck": _fsck,
+    "token": _token,
 }
 
 

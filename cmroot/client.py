@@ -18,8 +18,13 @@ from cmroot.exceptions import CmrootError, DaemonUnavailable, for_status
 
 
 class Client:
-    def __init__(self, url: str, token: str | None = None, timeout: float = 600.0,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout: float = 600.0,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise CmrootError("bad daemon URL", f"{url!r}: write http://host:port")
@@ -33,8 +38,9 @@ class Client:
         self._local = threading.local()
 
     # -- API -------------------------------------------------------------------------------
-    def recycle(self, paths: list[str], progress: Callable[[int, int], None] | None = None,
-                **kw: Any) -> dict[str, Any]:
+    def recycle(
+        self, paths: list[str], progress: Callable[[int, int], None] | None = None, **kw: Any
+    ) -> dict[str, Any]:
         """POST /v1/recycle; kw: mode, purge, op, db, table, partitions."""
         body = {"paths": paths, **{k: v for k, v in kw.items() if v is not None}}
         try:
@@ -60,12 +66,14 @@ class Client:
         return n
 
     @contextmanager
-    def open(self, path: str, checksum: str, byte_range: tuple[int, int] | None = None
-             ) -> Iterator[http.client.HTTPResponse]:
+    def open(
+        self, path: str, checksum: str, byte_range: tuple[int, int] | None = None
+    ) -> Iterator[http.client.HTTPResponse]:
         """Stream the bytes of (path, checksum); `byte_range` is (first, last) inclusive."""
         headers = {"Range": f"bytes={byte_range[0]}-{byte_range[1]}"} if byte_range else {}
-        resp = self._request("GET", "/v1/files?" + urlencode({"path": path, "checksum": checksum}),
-                             None, headers)
+        resp = self._request(
+            "GET", "/v1/files?" + urlencode({"path": path, "checksum": checksum}), None, headers
+        )
         try:
             if resp.status >= 400:
                 self._raise(resp)
@@ -88,25 +96,33 @@ class Client:
         """POST /v1/events; kw: db, table, partitions, files, server."""
         return int(self._json("POST", "/v1/events", {"eventType": event_type, **kw})["id"])
 
-    def gc(self, dry_run: bool = False, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    def gc(
+        self, dry_run: bool = False, progress: Callable[[int], None] | None = None
+    ) -> dict[str, Any]:
         return self._json("POST", f"/v1/gc?dry_run={'true' if dry_run else 'false'}")
 
     def healthy(self) -> bool:
         try:
-            return self._json("GET", "/readyz").get("status") == "ready"
+            return bool(self._json("GET", "/readyz").get("status") == "ready")
         except CmrootError:
             return False
 
     # -- transport --------------------------------------------------------------------------
-    def _json(self, method: str, path: str, body: Any = None) -> Any:
+    def _json(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         resp = self._request(method, path, body)
         if resp.status >= 400:
             self._raise(resp)
-        data = resp.read()
         try:
-            return json.loads(data)
+            out = json.loads(resp.read())
         except json.JSONDecodeError as e:
-            raise CmrootError("bad answer from the cmroot daemon", f"{self.url}{path}: {e}") from None
+            raise CmrootError(
+                "bad answer from the cmroot daemon", f"{self.url}{path}: {e}"
+            ) from None
+        if not isinstance(out, dict):
+            raise CmrootError(
+                "bad answer from the cmroot daemon", f"{self.url}{path}: not an object"
+            )
+        return out
 
     def _raise(self, resp: http.client.HTTPResponse) -> None:
         data = resp.read()
@@ -117,8 +133,9 @@ class Client:
             message, detail = f"HTTP {resp.status}", data[:200].decode(errors="replace")
         raise for_status(resp.status)(message or f"HTTP {resp.status}", detail)
 
-    def _request(self, method: str, path: str, body: Any, headers: dict[str, str] | None = None
-                 ) -> http.client.HTTPResponse:
+    def _request(
+        self, method: str, path: str, body: Any, headers: dict[str, str] | None = None
+    ) -> http.client.HTTPResponse:
         payload = json.dumps(body).encode() if body is not None else None
         hdrs = {"Accept": "application/json", **(headers or {})}
         if payload is not None:
@@ -134,12 +151,17 @@ class Client:
             except (ConnectionError, http.client.HTTPException, OSError) as e:
                 conn.close()
                 self._local.conn = None
-                if attempt == 0 and method == "GET" and isinstance(
-                    e, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+                if (
+                    attempt == 0
+                    and method == "GET"
+                    and isinstance(
+                        e, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+                    )
                 ):
                     continue
                 raise DaemonUnavailable(
-                    "cmroot daemon unreachable", f"{method} {self.url}{path}: {e}; is `cmroot serve` running?"
+                    "cmroot daemon unreachable",
+                    f"{method} {self.url}{path}: {e}; is `cmroot serve` running?",
                 ) from e
         raise AssertionError("unreachable")
 
@@ -147,8 +169,9 @@ class Client:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             if self._https:
-                conn = http.client.HTTPSConnection(self._host, self._port, timeout=self._timeout,
-                                                   context=self._ssl)
+                conn = http.client.HTTPSConnection(
+                    self._host, self._port, timeout=self._timeout, context=self._ssl
+                )
             else:
                 conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
             self._local.conn = conn

@@ -27,10 +27,14 @@ else:  # pragma: no cover
 
 DEFAULT_PORT = 9750
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(s|sec|secs|m|min|mins|h|hour|hours|d|day|days|w)?\s*")
+_DURATION = re.compile(
+    r"\s*(\d+(?:\.\d+)?)\s*(s|sec|secs|m|min|mins|h|hour|hours|d|day|days|w)?\s*"
+)
 
 
-def parse_duration(text: str | int | float, key: str = "duration", default_unit: str = "s") -> float:
+def parse_duration(
+    text: str | int | float, key: str = "duration", default_unit: str = "s"
+) -> float:
     """`90s`, `15m`, `24h`, `7d` (a bare number is in `default_unit`) → seconds."""
     if isinstance(text, bool):
         raise ConfigError(f"bad duration for {key}", f"{text!r}: write it like 90s, 15m, 24h or 7d")
@@ -51,7 +55,9 @@ def parse_duration(text: str | int | float, key: str = "duration", default_unit:
 
 def data_home() -> str:
     """Where the embedded defaults keep the store: $XDG_DATA_HOME/cmroot."""
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "share"
+    )
     return os.path.join(base, "cmroot")
 
 
@@ -130,7 +136,9 @@ _SECTIONS: dict[str, type[Any]] = {
 }
 
 
-def load(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
+def load(
+    path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
+) -> Config:
     """Read the config file (TOML, or a Hive `hive-site.xml`), apply `CMROOT_*` overrides,
     validate. Without a path only defaults and the environment count."""
     env = os.environ if env is None else env
@@ -148,7 +156,9 @@ def load(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | No
     return _build(raw, source)
 
 
-def _merge_toml(raw: dict[str, dict[str, Any]], path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+def _merge_toml(
+    raw: dict[str, dict[str, Any]], path: str | os.PathLike[str]
+) -> dict[str, dict[str, Any]]:
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)
@@ -183,7 +193,9 @@ def _env_value(cls: type[Any], key: str, value: str, name: str) -> Any:
     if key == "retain_overrides":
         pairs = [p.split("=", 1) for p in value.split(",") if p.strip()]
         if any(len(p) != 2 for p in pairs):
-            raise ConfigError(f"bad value for {name}", "write glob=duration pairs: sales.*=7d,tmp.*=1h")
+            raise ConfigError(
+                f"bad value for {name}", "write glob=duration pairs: sales.*=7d,tmp.*=1h"
+            )
         return {k.strip(): v.strip() for k, v in pairs}
     if isinstance(default, tuple):
         return [v.strip() for v in value.split(",") if v.strip()]
@@ -219,14 +231,19 @@ def _build(raw: dict[str, dict[str, Any]], source: str) -> Config:
         if _inside(root, w) or _inside(w, root):
             raise ConfigError(
                 "store.root and store.warehouse_roots overlap",
-                f"{root} and {w}: keep the store beside the warehouse, not inside it (or the reverse)",
+                f"{root} and {w}: keep the store beside the warehouse, not inside it"
+                " (or the reverse)",
             )
     on_expire = s.get("on_expire", "delete")
     if on_expire not in ("delete", "trash"):
-        raise ConfigError("bad value for store.on_expire", f"{on_expire!r}: use \"delete\" or \"trash\"")
+        raise ConfigError(
+            "bad value for store.on_expire", f'{on_expire!r}: use "delete" or "trash"'
+        )
     overrides = s.get("retain_overrides", {})
     if not isinstance(overrides, dict):
-        raise ConfigError("bad value for store.retain_overrides", 'write a table: {"sales.*" = "7d"}')
+        raise ConfigError(
+            "bad value for store.retain_overrides", 'write a table: {"sales.*" = "7d"}'
+        )
     store = StoreConfig(
         root=root,
         warehouse_roots=warehouse,
@@ -287,7 +304,9 @@ def _abs_root(value: str, key: str) -> str:
     if local is None:
         return value.rstrip("/")
     if "\0" in local or not os.path.isabs(local):
-        raise ConfigError(f"{key} must be absolute", f"{value!r}: write a full path such as /data/warehouse")
+        raise ConfigError(
+            f"{key} must be absolute", f"{value!r}: write a full path such as /data/warehouse"
+        )
     return os.path.normpath(local)
 
 

@@ -75,8 +75,13 @@ class DaemonUnavailable(CmrootError):
 
 
 _BY_STATUS: dict[int, type[CmrootError]] = {
-    400: BadRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict,
-    413: PayloadTooLarge, 503: DaemonUnavailable,
+    400: BadRequest,
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    409: Conflict,
+    413: PayloadTooLarge,
+    503: DaemonUnavailable,
 }
 
 

@@ -215,7 +215,11 @@ class Index:
 
     # -- journal -------------------------------------------------------------------------
     def journal_begin(
-        self, txid: str, started: float, mode: str, request: dict[str, Any],
+        self,
+        txid: str,
+        started: float,
+        mode: str,
+        request: dict[str, Any],
         rows: Iterable[tuple[int, str, str]],
     ) -> None:
         with self.transaction() as db:
@@ -238,8 +242,7 @@ class Index:
             rows = [
                 JournalRow(*r)
                 for r in self._query(
-                    "SELECT txid, seq, source, staged FROM journal "
-                    "WHERE txid = ? ORDER BY seq",
+                    "SELECT txid, seq, source, staged FROM journal WHERE txid = ? ORDER BY seq",
                     (txid,),
                 )
             ]
@@ -257,16 +260,24 @@ class Index:
                 " partition, purge, event_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     (
-                        e.path, e.checksum, e.size, e.recycled, e.expires, e.op, e.db, e.table,
+                        e.path,
+                        e.checksum,
+                        e.size,
+                        e.recycled,
+                        e.expires,
+                        e.op,
+                        e.db,
+                        e.table,
                         json.dumps(e.partition) if e.partition is not None else None,
-                        int(e.purge), event_id,
+                        int(e.purge),
+                        event_id,
                     )
                     for e in entries
                 ),
             )
             db.executemany(
-                "INSERT INTO objects (checksum, size, created, expires, keep) VALUES (?, ?, ?, ?, ?)"
-                " ON CONFLICT(checksum) DO UPDATE SET"
+                "INSERT INTO objects (checksum, size, created, expires, keep)"
+                " VALUES (?, ?, ?, ?, ?) ON CONFLICT(checksum) DO UPDATE SET"
                 " expires = max(expires, excluded.expires), keep = max(keep, excluded.keep)",
                 ((e.checksum, e.size, e.recycled, e.expires, int(not e.purge)) for e in entries),
             )
@@ -284,7 +295,7 @@ class Index:
             "SELECT checksum, size, created, expires, keep FROM objects WHERE checksum = ?",
             (checksum,),
         )
-        return StoredObject(*rows[0][:4], bool(rows[0][4])) if rows else None
+        return _object(rows[0]) if rows else None
 
     def recorded(self, pairs: Sequence[tuple[str, str]]) -> dict[tuple[str, str], int]:
         """Of the (path, checksum) pairs, those with an entry whose object is indexed,
@@ -303,11 +314,16 @@ class Index:
         return out
 
     def entries(
-        self, db: str | None = None, table: str | None = None, limit: int = 100,
-        cursor: int | None = None, checksum: str | None = None,
+        self,
+        db: str | None = None,
+        table: str | None = None,
+        limit: int = 100,
+        cursor: int | None = None,
+        checksum: str | None = None,
     ) -> list[Entry]:
         """Entries newest first; `cursor` is the id of the last entry of the previous page."""
-        where, args = [], []
+        where: list[str] = []
+        args: list[Any] = []
         for column, value in (("db", db), ("tbl", table), ("checksum", checksum)):
             if value is not None:
                 where.append(f"{column} = ?")
@@ -330,7 +346,9 @@ class Index:
             (start, limit),
         )
         return [
-            Event(r[0], r[1], r[2], r[3], json.loads(r[4]), r[5], r[6], bool(r[7]), json.loads(r[8]))
+            Event(
+                r[0], r[1], r[2], r[3], json.loads(r[4]), r[5], r[6], bool(r[7]), json.loads(r[8])
+            )
             for r in rows
         ]
 
@@ -347,7 +365,9 @@ class Index:
         return {r[0] for r in self._query("SELECT checksum FROM objects")}
 
     # -- retention -------------------------------------------------------------------------
-    def expired(self, now: float, limit: int, after: tuple[float, str] | None = None) -> list[StoredObject]:
+    def expired(
+        self, now: float, limit: int, after: tuple[float, str] | None = None
+    ) -> list[StoredObject]:
         """Expired objects in (expires, checksum) order, the page after `after`."""
         last_expires, last_checksum = after or (float("-inf"), "")
         rows = self._query(
@@ -356,14 +376,15 @@ class Index:
             " ORDER BY expires, checksum LIMIT ?",
             (now, last_expires, last_expires, last_checksum, limit),
         )
-        return [StoredObject(*r[:4], bool(r[4])) for r in rows]
+        return [_object(r) for r in rows]
 
     def forget_expired(self, checksums: Sequence[str], now: float) -> None:
         """Drop objects still expired at `now`, with their entries. An object recycled again
         since it was picked has a later expiry and stays."""
         with self.transaction() as db:
             db.executemany(
-                "DELETE FROM objects WHERE checksum = ? AND expires <= ?", ((c, now) for c in checksums)
+                "DELETE FROM objects WHERE checksum = ? AND expires <= ?",
+                ((c, now) for c in checksums),
             )
             db.executemany(
                 "DELETE FROM entries WHERE checksum = ? AND NOT EXISTS"
@@ -410,16 +431,37 @@ def _insert_event(db: sqlite3.Connection, e: Event) -> int:
     cur = db.execute(
         "INSERT INTO events (type, db, tbl, partitions, timestamp, server, purge, files)"
         " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        (e.type, e.db, e.table, json.dumps(e.partitions), e.timestamp, e.server, int(e.purge),
-         json.dumps(e.files)),
+        (
+            e.type,
+            e.db,
+            e.table,
+            json.dumps(e.partitions),
+            e.timestamp,
+            e.server,
+            int(e.purge),
+            json.dumps(e.files),
+        ),
     )
     assert cur.lastrowid is not None
     return cur.lastrowid
 
 
+def _object(r: Sequence[Any]) -> StoredObject:
+    return StoredObject(r[0], r[1], r[2], r[3], bool(r[4]))
+
+
 def _entry(r: Sequence[Any]) -> Entry:
     return Entry(
-        path=r[0], checksum=r[1], size=r[2], recycled=r[3], expires=r[4], op=r[5], db=r[6],
-        table=r[7], partition=json.loads(r[8]) if r[8] is not None else None, purge=bool(r[9]),
-        event_id=r[10], id=r[11],
+        path=r[0],
+        checksum=r[1],
+        size=r[2],
+        recycled=r[3],
+        expires=r[4],
+        op=r[5],
+        db=r[6],
+        table=r[7],
+        partition=json.loads(r[8]) if r[8] is not None else None,
+        purge=bool(r[9]),
+        event_id=r[10],
+        id=r[11],
     )

@@ -22,7 +22,8 @@ class Metrics:
             "cmroot_recycled_bytes", "Bytes recycled into the store.", ["op"], registry=registry
         )
         self.recycle_errors = Counter(
-            "cmroot_recycle_errors", "Recycle requests that failed (and were rolled back).",
+            "cmroot_recycle_errors",
+            "Recycle requests that failed (and were rolled back).",
             registry=registry,
         )
         self.gc_runs = Counter(
@@ -35,27 +36,35 @@ class Metrics:
             "cmroot_gc_deleted_bytes", "Bytes removed by retention sweeps.", registry=registry
         )
         self.gc_duration = Histogram(
-            "cmroot_gc_duration_seconds", "Duration of retention sweeps.", registry=registry,
+            "cmroot_gc_duration_seconds",
+            "Duration of retention sweeps.",
+            registry=registry,
             buckets=(0.01, 0.1, 0.5, 1, 5, 15, 60, 300, 1800),
         )
         self.gc_last_success = Gauge(
-            "cmroot_gc_last_success_timestamp_seconds", "When the last sweep succeeded.",
+            "cmroot_gc_last_success_timestamp_seconds",
+            "When the last sweep succeeded.",
             registry=registry,
         )
         self.resolve = Counter(
-            "cmroot_resolve", "Resolved (path, checksum) pairs, by status.", ["status"],
+            "cmroot_resolve",
+            "Resolved (path, checksum) pairs, by status.",
+            ["status"],
             registry=registry,
         )
         self.served_bytes = Counter(
             "cmroot_served_bytes", "Bytes served by GET /v1/files.", registry=registry
         )
         self.checksum_mismatches = Counter(
-            "cmroot_checksum_mismatches", "Bytes found not to match their checksum (never served).",
+            "cmroot_checksum_mismatches",
+            "Bytes found not to match their checksum (never served).",
             registry=registry,
         )
         self.http_requests = Counter(
-            "cmroot_http_requests", "HTTP requests, by route and status code.",
-            ["route", "code"], registry=registry,
+            "cmroot_http_requests",
+            "HTTP requests, by route and status code.",
+            ["route", "code"],
+            registry=registry,
         )
         for status in ("original", "cmroot", "missing"):
             self.resolve.labels(status)
@@ -79,6 +88,7 @@ class StoreCollector(Collector):
             value=oldest or 0,
         )
         yield GaugeMetricFamily(
-            "cmroot_last_event_id", "Id of the newest event in the log.",
+            "cmroot_last_event_id",
+            "Id of the newest event in the log.",
             value=self.index.current_event_id(),
         )

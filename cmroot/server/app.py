@@ -42,7 +42,9 @@ _REFUSED = (BadRequest, Forbidden, NotFound)  # refused before anything moved
 class Service:
     """What the handlers share: the store, tokens, metrics and the worker threads."""
 
-    def __init__(self, store: Store, tokens: Tokens, registry: CollectorRegistry, workers: int = 8) -> None:
+    def __init__(
+        self, store: Store, tokens: Tokens, registry: CollectorRegistry, workers: int = 8
+    ) -> None:
         self.store = store
         self.tokens = tokens
         self.registry = registry
@@ -75,8 +77,12 @@ class Service:
                 m.gc_last_success.set(self.store.clock())
             log.info(
                 "retention sweep",
-                extra={"removed": len(report.removed), "bytes": report.removed_bytes,
-                       "failed": len(report.failed), "skipped": report.skipped},
+                extra={
+                    "removed": len(report.removed),
+                    "bytes": report.removed_bytes,
+                    "failed": len(report.failed),
+                    "skipped": report.skipped,
+                },
             )
             return report
 
@@ -119,7 +125,11 @@ def _error(status: int, message: str, detail: str = "") -> web.Response:
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     m = request.app[SERVICE].metrics
-    route = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
+    route = (
+        request.match_info.route.resource.canonical
+        if request.match_info.route.resource
+        else "other"
+    )
     try:
         resp = await handler(request)
     except CmrootError as e:
@@ -155,7 +165,9 @@ async def _body(request: web.Request, fields: set[str]) -> dict[str, Any]:
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as e:
-        raise PayloadTooLarge("request body too large", f"at most {request.app._client_max_size} bytes") from e
+        raise PayloadTooLarge(
+            "request body too large", f"at most {request.app._client_max_size} bytes"
+        ) from e
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -164,7 +176,9 @@ async def _body(request: web.Request, fields: set[str]) -> dict[str, Any]:
         raise BadRequest("malformed request", "the body must be a JSON object")
     unknown = set(body) - fields
     if unknown:
-        raise BadRequest("unknown fields", f"{', '.join(sorted(unknown))}; known: {', '.join(sorted(fields))}")
+        raise BadRequest(
+            "unknown fields", f"{', '.join(sorted(unknown))}; known: {', '.join(sorted(fields))}"
+        )
     return body
 
 
@@ -192,8 +206,12 @@ async def recycle(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     body = await _body(request, {"paths", "mode", "purge", "op", "db", "table", "partitions"})
     req = RecycleRequest(
-        paths=body.get("paths") or [], mode=body.get("mode", "move"), purge=body.get("purge", False),
-        op=body.get("op", ""), db=body.get("db"), table=body.get("table"),
+        paths=body.get("paths") or [],
+        mode=body.get("mode", "move"),
+        purge=body.get("purge", False),
+        op=body.get("op", ""),
+        db=body.get("db"),
+        table=body.get("table"),
         partitions=body.get("partitions") or [],
     )
     req.validate()
@@ -206,8 +224,16 @@ async def recycle(request: web.Request) -> web.Response:
         raise
     svc.metrics.recycled_files.labels(req.op).inc(len(result.files))
     svc.metrics.recycled_bytes.labels(req.op).inc(sum(f.size for f in result.files))
-    log.info("recycled", extra={"event_id": result.event_id, "op": req.op, "files": len(result.files),
-                                "db": req.db, "table": req.table})
+    log.info(
+        "recycled",
+        extra={
+            "event_id": result.event_id,
+            "op": req.op,
+            "files": len(result.files),
+            "db": req.db,
+            "table": req.table,
+        },
+    )
     return web.json_response(result.to_json())
 
 
@@ -229,16 +255,21 @@ class _ObjectFile(web.FileResponse):
     checksum, which identifies the bytes better than mtime and size."""
 
     def __init__(self, path: str, checksum: str, status: str) -> None:
-        super().__init__(path, chunk_size=1 << 18, headers={
-            hdrs.CONTENT_TYPE: "application/octet-stream", "X-Cmroot-Status": status,
-        })
+        super().__init__(
+            path,
+            chunk_size=1 << 18,
+            headers={
+                hdrs.CONTENT_TYPE: "application/octet-stream",
+                "X-Cmroot-Status": status,
+            },
+        )
         self._checksum = checksum
 
     def _get_file_path_stat_encoding(self, accept_encoding: str) -> Any:
         st = self._path.stat()
         return (self._path if stat.S_ISREG(st.st_mode) else None), st, None
 
-    @property  # type: ignore[override]
+    @property
     def etag(self) -> Any:
         return super().etag
 
@@ -253,7 +284,9 @@ async def files(request: web.Request) -> web.StreamResponse:
     if path is None or checksum is None:
         raise BadRequest("missing query parameter", "give ?path=...&checksum=...")
     ref = await svc.run(svc.store.locate, path, checksum)
-    if ref.fs is None or "file" in (ref.fs.protocol if isinstance(ref.fs.protocol, tuple) else (ref.fs.protocol,)):
+    if ref.fs is None or "file" in (
+        ref.fs.protocol if isinstance(ref.fs.protocol, tuple) else (ref.fs.protocol,)
+    ):
         resp: web.StreamResponse = _ObjectFile(ref.path, checksum, ref.status)
         await resp.prepare(request)
     else:
@@ -267,10 +300,13 @@ async def _stream_remote(
     request: web.Request, svc: Service, fs: Any, path: str, size: int, checksum: str, status: str
 ) -> web.StreamResponse:
     """An original on another filesystem: streamed through, whole (no Range)."""
-    resp = web.StreamResponse(headers={
-        hdrs.CONTENT_TYPE: "application/octet-stream", hdrs.ETAG: f'"{checksum}"',
-        "X-Cmroot-Status": status,
-    })
+    resp = web.StreamResponse(
+        headers={
+            hdrs.CONTENT_TYPE: "application/octet-stream",
+            hdrs.ETAG: f'"{checksum}"',
+            "X-Cmroot-Status": status,
+        }
+    )
     resp.content_length = size
     await resp.prepare(request)
     if request.method == hdrs.METH_HEAD:
@@ -290,12 +326,18 @@ async def entries(request: web.Request) -> web.Response:
     limit = _int_query(request, "limit", 100, 1, MAX_PAGE)
     cursor = _int_query(request, "cursor", 0, 0, 2**62) or None
     rows = await svc.run(
-        svc.store.entries, request.query.get("db") or None, request.query.get("table") or None, limit, cursor
+        svc.store.entries,
+        request.query.get("db") or None,
+        request.query.get("table") or None,
+        limit,
+        cursor,
     )
-    return web.json_response({
-        "entries": [e.to_json() for e in rows],
-        "cursor": rows[-1].id if len(rows) == limit else None,
-    })
+    return web.json_response(
+        {
+            "entries": [e.to_json() for e in rows],
+            "cursor": rows[-1].id if len(rows) == limit else None,
+        }
+    )
 
 
 async def events(request: web.Request) -> web.Response:
@@ -313,15 +355,22 @@ async def current_event(request: web.Request) -> web.Response:
 
 async def add_event(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
-    body = await _body(request, {"eventType", "db", "table", "partitions", "files", "server", "timestamp"})
+    body = await _body(
+        request, {"eventType", "db", "table", "partitions", "files", "server", "timestamp"}
+    )
     for name in ("db", "table", "server"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise BadRequest(f"bad {name}", "give a string")
     if body.get("files") is not None and not isinstance(body["files"], list):
         raise BadRequest("bad files", 'give a list of {"path", "checksum", "size"}')
     event_id = await svc.run(
-        svc.store.add_event, body.get("eventType"), body.get("db"), body.get("table"),
-        body.get("partitions") or [], body.get("files") or [], body.get("server"),
+        svc.store.add_event,
+        body.get("eventType"),
+        body.get("db"),
+        body.get("table"),
+        body.get("partitions") or [],
+        body.get("files") or [],
+        body.get("server"),
     )
     return web.json_response({"id": event_id})
 

@@ -33,7 +33,7 @@ class Tokens:
             if scope not in SCOPES or algo != "sha256" or len(digest) != 64:
                 raise ConfigError(
                     "bad auth.tokens entry",
-                    f"{entry[:20]}...: write \"<read|write|admin>:sha256:<64 hex>\" "
+                    f'{entry[:20]}...: write "<read|write|admin>:sha256:<64 hex>" '
                     "(cmroot token create --scope read prints one)",
                 )
             self._scopes[digest.lower()] = scope
@@ -52,4 +52,6 @@ class Tokens:
         if scope is None:
             raise Unauthorized("unknown token", "the token is not in this daemon's auth.tokens")
         if SCOPES.index(scope) < SCOPES.index(needed):
-            raise Forbidden("insufficient scope", f"this call needs a {needed!r} token, not {scope!r}")
+            raise Forbidden(
+                "insufficient scope", f"this call needs a {needed!r} token, not {scope!r}"
+            )

@@ -30,8 +30,11 @@ SHUTDOWN_GRACE = 120.0  # seconds an in-flight request may take to finish on SIG
 
 
 def serve(config: cfg.Config, host: str | None = None, port: int | None = None) -> int:
-    server = replace(config.server, host=host or config.server.host,
-                     port=config.server.port if port is None else port)
+    server = replace(
+        config.server,
+        host=host or config.server.host,
+        port=config.server.port if port is None else port,
+    )
     config = replace(config, server=server)
     tokens = Tokens(config.auth.tokens)
     if not tokens.enabled and not _is_loopback(server.host):
@@ -78,8 +81,13 @@ def _ssl_context(server: cfg.ServerConfig) -> ssl.SSLContext | None:
 def _scheduler(service: Service, interval: float) -> BackgroundScheduler:
     sched = BackgroundScheduler(timezone="UTC")
     sched.add_job(
-        _scheduled_sweep, IntervalTrigger(seconds=interval, jitter=int(min(interval * 0.1, 300))),
-        args=[service], id="sweep", max_instances=1, coalesce=True, next_run_time=datetime.datetime.now(datetime.timezone.utc),
+        _scheduled_sweep,
+        IntervalTrigger(seconds=interval, jitter=int(min(interval * 0.1, 300))),
+        args=[service],
+        id="sweep",
+        max_instances=1,
+        coalesce=True,
+        next_run_time=datetime.datetime.now(datetime.timezone.utc),
     )
     return sched
 
@@ -94,18 +102,30 @@ def _scheduled_sweep(service: Service) -> None:
 async def _run(config: cfg.Config, service: Service) -> None:
     notifier = Notifier()
     app = create_app(service, config.server.max_body)
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE,
-                           access_log=None)
+    runner = web.AppRunner(
+        app, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE, access_log=None
+    )
     await runner.setup()
-    site = web.TCPSite(runner, config.server.host, config.server.port,
-                       ssl_context=_ssl_context(config.server), reuse_address=True)
+    site = web.TCPSite(
+        runner,
+        config.server.host,
+        config.server.port,
+        ssl_context=_ssl_context(config.server),
+        reuse_address=True,
+    )
     await site.start()
     sched = _scheduler(service, config.store.interval)
     sched.start()
-    bound = [s.getsockname() for s in (site._server.sockets if site._server else [])]  # type: ignore[union-attr]
-    log.info("serving", extra={"addresses": [f"{a[0]}:{a[1]}" for a in bound],
-                               "store": config.store.root, "config": config.source,
-                               "auth": "tokens" if service.tokens.enabled else "loopback-open"})
+    bound = runner.addresses
+    log.info(
+        "serving",
+        extra={
+            "addresses": [f"{a[0]}:{a[1]}" for a in bound],
+            "store": config.store.root,
+            "config": config.source,
+            "auth": "tokens" if service.tokens.enabled else "loopback-open",
+        },
+    )
     notifier.notify("READY=1\nSTATUS=serving")
 
     stop = asyncio.Event()
@@ -113,7 +133,9 @@ async def _run(config: cfg.Config, service: Service) -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: _reload(config, service, sched, notifier))
-    watchdog = asyncio.create_task(_watchdog(service, notifier)) if notifier.watchdog_interval else None
+    watchdog = (
+        asyncio.create_task(_watchdog(service, notifier)) if notifier.watchdog_interval else None
+    )
     await stop.wait()
 
     log.info("stopping: draining in-flight requests")
@@ -126,19 +148,30 @@ async def _run(config: cfg.Config, service: Service) -> None:
     log.info("stopped")
 
 
-def _reload(config: cfg.Config, service: Service, sched: BackgroundScheduler, notifier: Notifier) -> None:
+def _reload(
+    config: cfg.Config, service: Service, sched: BackgroundScheduler, notifier: Notifier
+) -> None:
     """SIGHUP: re-read the config file; tokens and retention settings take effect now.
     A bad file is logged and ignored: the daemon keeps its current settings."""
     notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
     try:
         fresh = cfg.load(None if config.source == "<defaults>" else config.source)
         service.tokens = Tokens(fresh.auth.tokens)
-        service.store.reconfigure(replace(
-            service.store.config, retain=fresh.store.retain, interval=fresh.store.interval,
-            on_expire=fresh.store.on_expire, retain_overrides=fresh.store.retain_overrides,
-        ))
-        sched.reschedule_job("sweep", trigger=IntervalTrigger(
-            seconds=fresh.store.interval, jitter=int(min(fresh.store.interval * 0.1, 300))))
+        service.store.reconfigure(
+            replace(
+                service.store.config,
+                retain=fresh.store.retain,
+                interval=fresh.store.interval,
+                on_expire=fresh.store.on_expire,
+                retain_overrides=fresh.store.retain_overrides,
+            )
+        )
+        sched.reschedule_job(
+            "sweep",
+            trigger=IntervalTrigger(
+                seconds=fresh.store.interval, jitter=int(min(fresh.store.interval * 0.1, 300))
+            ),
+        )
         log.info("reloaded", extra={"config": config.source, "tokens": len(fresh.auth.tokens)})
     except Exception as e:
         log.error("reload failed; keeping the current settings", extra={"error": str(e)})
@@ -154,6 +187,7 @@ async def _watchdog(service: Service, notifier: Notifier) -> None:
             await asyncio.wait_for(service.run(service.ready), timeout=notifier.watchdog_interval)
             notifier.notify("WATCHDOG=1")
         except Exception as e:
-            log.error("liveness check failed; withholding the watchdog ping", extra={"error": str(e)})
+            log.error(
+                "liveness check failed; withholding the watchdog ping", extra={"error": str(e)}
+            )
         await asyncio.sleep(notifier.watchdog_interval)
-

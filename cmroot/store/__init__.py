@@ -20,18 +20,17 @@ from cmroot.store.fsck import FsckReport, fsck
 from cmroot.store.layout import Layout
 from cmroot.store.objects import Objects
 from cmroot.store.recycle import (
-    DESTRUCTIVE_OPS,
     Progress,
+    Recycler,
     RecycleRequest,
     RecycleResult,
-    Recycler,
     validate_partitions,
 )
 from cmroot.store.resolve import Resolution, Resolver, parse_pairs
 from cmroot.store.sweep import SweepReport, sweep
 from cmroot.store.warehouse import Warehouse
 
-__all__ = ["EVENT_TYPES", "FileRef", "Store", "RecycleRequest", "RecycleResult", "Resolution"]
+__all__ = ["EVENT_TYPES", "FileRef", "RecycleRequest", "RecycleResult", "Resolution", "Store"]
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,10 @@ class FileRef:
 
 class Store:
     def __init__(
-        self, config: StoreConfig, index: Index, clock: Callable[[], float] = time.time,
+        self,
+        config: StoreConfig,
+        index: Index,
+        clock: Callable[[], float] = time.time,
         readonly: bool = False,
     ) -> None:
         root = local_path(config.root)
@@ -71,9 +73,8 @@ class Store:
         self.objects = Objects(self.layout, index)
         self.recycler = Recycler(self.layout, index, self.objects, self.warehouse, config, clock)
         self.resolver = Resolver(self.layout, index, not readonly, cks.default_workers())
-        if not readonly:
-            if n := self.recycler.recover():
-                log.warning("rolled back interrupted recycles", extra={"count": n})
+        if not readonly and (n := self.recycler.recover()):
+            log.warning("rolled back interrupted recycles", extra={"count": n})
 
     @classmethod
     def open(
@@ -104,26 +105,49 @@ class Store:
         return self.recycler.recycle(req, progress)
 
     def add_event(
-        self, type: str, db: str | None = None, table: str | None = None,
-        partitions: list[dict[str, str]] | None = None, files: list[dict[str, Any]] | None = None,
+        self,
+        type: str,
+        db: str | None = None,
+        table: str | None = None,
+        partitions: list[dict[str, str]] | None = None,
+        files: list[dict[str, Any]] | None = None,
         server: str | None = None,
     ) -> int:
         """Record a non-destructive event (CREATE_TABLE, ADD_PARTITION, INSERT, ...)."""
         if type not in EVENT_TYPES:
-            raise BadRequest("unknown eventType", f"{type!r}: use one of {', '.join(sorted(EVENT_TYPES))}")
+            raise BadRequest(
+                "unknown eventType", f"{type!r}: use one of {', '.join(sorted(EVENT_TYPES))}"
+            )
         validate_partitions(partitions or [])
         clean = []
         for i, f in enumerate(files or []):
             if not isinstance(f, dict) or not isinstance(f.get("size", 0), int):
                 raise BadRequest(f"bad file #{i}", 'each file is {"path", "checksum", "size"}')
             loc = self.warehouse.locate(f.get("path"))
-            clean.append({"path": loc.key, "checksum": cks.validate(f.get("checksum")), "size": f.get("size", 0)})
+            clean.append(
+                {
+                    "path": loc.key,
+                    "checksum": cks.validate(f.get("checksum")),
+                    "size": f.get("size", 0),
+                }
+            )
         return self.index.add_event(
-            Event(0, type, db, table, list(partitions or []), self.clock(),
-                  server or self.recycler.server, False, clean)
+            Event(
+                0,
+                type,
+                db,
+                table,
+                list(partitions or []),
+                self.clock(),
+                server or self.recycler.server,
+                False,
+                clean,
+            )
         )
 
-    def gc(self, dry_run: bool = False, progress: Callable[[int], None] | None = None) -> SweepReport:
+    def gc(
+        self, dry_run: bool = False, progress: Callable[[int], None] | None = None
+    ) -> SweepReport:
         trash = self.config.on_expire == "trash"
         return sweep(self.index, self.objects, self.clock(), trash, dry_run, progress)
 
@@ -147,19 +171,25 @@ class Store:
                 return FileRef("cmroot", None, obj, os.path.getsize(obj))
             except FileNotFoundError:
                 pass
-        raise NotFound("no such file", f"{loc.key} with checksum {c} is neither at its path nor in the store")
+        raise NotFound(
+            "no such file", f"{loc.key} with checksum {c} is neither at its path nor in the store"
+        )
 
     def verify_object(self, checksum: str) -> None:
         """Re-hash a stored object; raise ChecksumMismatch if its bytes changed on disk."""
         if cks.of_local_file(self.layout.object_path(checksum)) != checksum:
-            raise ChecksumMismatch("stored object is corrupt", f"object {checksum}: run cmroot fsck")
+            raise ChecksumMismatch(
+                "stored object is corrupt", f"object {checksum}: run cmroot fsck"
+            )
 
     def entries(
-        self, db: str | None = None, table: str | None = None, limit: int = 100, cursor: int | None = None
+        self,
+        db: str | None = None,
+        table: str | None = None,
+        limit: int = 100,
+        cursor: int | None = None,
     ) -> list[Entry]:
         return self.index.entries(db, table, limit, cursor)
 
     def events(self, start: int = 0, limit: int = 100) -> list[Event]:
         return self.index.events(start, limit)
-
-

@@ -32,21 +32,31 @@ class FsckReport:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "repair": self.repair, "checked": self.checked, "clean": self.clean,
-            "unindexed": self.unindexed, "missing": self.missing, "corrupt": self.corrupt,
+            "repair": self.repair,
+            "checked": self.checked,
+            "clean": self.clean,
+            "unindexed": self.unindexed,
+            "missing": self.missing,
+            "corrupt": self.corrupt,
             "stray": self.stray,
         }
 
 
 def fsck(
-    layout: Layout, index: Index, now: float, retain: float, repair: bool = False,
+    layout: Layout,
+    index: Index,
+    now: float,
+    retain: float,
+    repair: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> FsckReport:
     report = FsckReport(repair)
     indexed = index.all_checksums()
     on_disk = list(_walk(layout.objects, report))
     for path, c in cks.many(
-        cks.of_local_file, [p for p, _ in on_disk], progress=lambda i: progress and progress(i, len(on_disk))
+        cks.of_local_file,
+        [p for p, _ in on_disk],
+        progress=lambda i: progress and progress(i, len(on_disk)),
     ):
         name = os.path.basename(path)
         report.checked += 1
@@ -60,7 +70,9 @@ def fsck(
             report.unindexed.append(name)
             if repair:
                 st = os.stat(path)
-                index.register_object(StoredObject(name, st.st_size, st.st_mtime, now + retain, True))
+                index.register_object(
+                    StoredObject(name, st.st_size, st.st_mtime, now + retain, True)
+                )
     seen = {os.path.basename(p) for p, _ in on_disk}
     report.missing = sorted(indexed - seen)
     if repair and report.missing:

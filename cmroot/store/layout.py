@@ -1,10 +1,10 @@
 """Where things live under the store root, and the durability primitives the store needs.
 
-    <root>/objects/ab/cd/<checksum>   content-addressed objects, immutable once published
-    <root>/staging/<txid>/<seq>       files of a recycle in flight (named by the journal)
-    <root>/trash/<YYYY-MM-DD>/<checksum>  expired objects when on_expire = "trash"
-    <root>/quarantine/<checksum>      objects fsck found corrupt
-    <root>/LOCK                       held by the one process that may write the store
+<root>/objects/ab/cd/<checksum>   content-addressed objects, immutable once published
+<root>/staging/<txid>/<seq>       files of a recycle in flight (named by the journal)
+<root>/trash/<YYYY-MM-DD>/<checksum>  expired objects when on_expire = "trash"
+<root>/quarantine/<checksum>      objects fsck found corrupt
+<root>/LOCK                       held by the one process that may write the store
 """
 
 from __future__ import annotations

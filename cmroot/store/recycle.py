@@ -56,23 +56,36 @@ class RecycleRequest:
     partitions: Sequence[dict[str, str]] = ()
 
     def validate(self) -> None:
-        if isinstance(self.paths, (str, bytes)) or not isinstance(self.paths, Sequence) or not self.paths:
+        if (
+            isinstance(self.paths, (str, bytes))
+            or not isinstance(self.paths, Sequence)
+            or not self.paths
+        ):
             raise BadRequest("bad paths", "give a non-empty list of paths")
         if self.mode not in MODES:
-            raise BadRequest("bad mode", f"{self.mode!r}: use \"move\" or \"copy\"")
+            raise BadRequest("bad mode", f'{self.mode!r}: use "move" or "copy"')
         if self.op not in DESTRUCTIVE_OPS:
-            raise BadRequest("unknown op", f"{self.op!r}: use one of {', '.join(sorted(DESTRUCTIVE_OPS))}")
+            raise BadRequest(
+                "unknown op", f"{self.op!r}: use one of {', '.join(sorted(DESTRUCTIVE_OPS))}"
+            )
         if not isinstance(self.purge, bool):
             raise BadRequest("bad purge", f"{self.purge!r}: use true or false")
         for name, value in (("db", self.db), ("table", self.table)):
-            if value is not None and (not isinstance(value, str) or "\0" in value or len(value) > 1024):
+            if value is not None and (
+                not isinstance(value, str) or "\0" in value or len(value) > 1024
+            ):
                 raise BadRequest(f"bad {name}", f"{value!r}: give a name as a string")
         validate_partitions(self.partitions)
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "paths": list(self.paths), "mode": self.mode, "purge": self.purge, "op": self.op,
-            "db": self.db, "table": self.table, "partitions": [dict(p) for p in self.partitions],
+            "paths": list(self.paths),
+            "mode": self.mode,
+            "purge": self.purge,
+            "op": self.op,
+            "db": self.db,
+            "table": self.table,
+            "partitions": [dict(p) for p in self.partitions],
         }
 
 
@@ -153,10 +166,14 @@ class Recycler:
         finally:
             self.objects.release(txid, {it.checksum for it in items if it.checksum})
         self._finish(txid, req.mode, items, dirs)
-        return RecycleResult(event_id, [RecycledFile(it.key, it.checksum or "", it.size) for it in items])
+        return RecycleResult(
+            event_id, [RecycledFile(it.key, it.checksum or "", it.size) for it in items]
+        )
 
     # -- stage, hash, publish -------------------------------------------------------------
-    def _stage_all(self, txid: str, mode: str, items: list[_Item], progress: Progress | None) -> None:
+    def _stage_all(
+        self, txid: str, mode: str, items: list[_Item], progress: Progress | None
+    ) -> None:
         failed = threading.Event()
         done = 0
         done_lock = threading.Lock()
@@ -197,20 +214,35 @@ class Recycler:
         it.size = os.path.getsize(it.staged)
         self.objects.publish(txid, it.checksum, it.staged)
 
-    def _commit(self, txid: str | None, req: RecycleRequest, items: Sequence[_Item], now: float) -> int:
+    def _commit(
+        self, txid: str | None, req: RecycleRequest, items: Sequence[_Item], now: float
+    ) -> int:
         retain = self.config.retain_for(req.db, req.table)
         entries = [
             Entry(
-                path=it.key, checksum=it.checksum or "", size=it.size, recycled=now,
-                expires=now + retain, op=req.op, db=req.db, table=req.table,
-                partition=partition_of(it.src.key, req.partitions), purge=req.purge,
+                path=it.key,
+                checksum=it.checksum or "",
+                size=it.size,
+                recycled=now,
+                expires=now + retain,
+                op=req.op,
+                db=req.db,
+                table=req.table,
+                partition=partition_of(it.key, req.partitions),
+                purge=req.purge,
             )
             for it in items
         ]
         event = Event(
-            id=0, type=req.op, db=req.db, table=req.table,
-            partitions=[dict(p) for p in req.partitions], timestamp=now, server=self.server,
-            purge=req.purge, files=[{"path": e.path, "checksum": e.checksum, "size": e.size} for e in entries],
+            id=0,
+            type=req.op,
+            db=req.db,
+            table=req.table,
+            partitions=[dict(p) for p in req.partitions],
+            timestamp=now,
+            server=self.server,
+            purge=req.purge,
+            files=[{"path": e.path, "checksum": e.checksum, "size": e.size} for e in entries],
         )
         return self.index.commit_recycle(txid, event, entries)
 
@@ -228,7 +260,9 @@ class Recycler:
                 except FileNotFoundError:
                     pass
                 except OSError as e:
-                    log.warning("recycled file left at source", extra={"path": it.key, "error": str(e)})
+                    log.warning(
+                        "recycled file left at source", extra={"path": it.key, "error": str(e)}
+                    )
         for d in dirs:
             _remove_empty_dirs(d, keep_top=self.warehouse.is_root(d))
 
@@ -270,7 +304,9 @@ class Recycler:
             for it in items:
                 if os.path.lexists(it.staged):
                     it.checksum = cks.of_local_file(it.staged)
-            log.warning("rolling back an interrupted recycle", extra={"txid": tx.txid, "files": len(items)})
+            log.warning(
+                "rolling back an interrupted recycle", extra={"txid": tx.txid, "files": len(items)}
+            )
             self._undo(tx.txid, items)
         self._clear_staging_leftovers()
         return len(pending)

@@ -30,8 +30,11 @@ class Resolution:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "path": self.path, "checksum": self.checksum, "status": self.status,
-            "location": self.location, "size": self.size,
+            "path": self.path,
+            "checksum": self.checksum,
+            "status": self.status,
+            "location": self.location,
+            "size": self.size,
         }
 
 
@@ -136,7 +139,9 @@ def _stat(loc: Located) -> _Original | None:
     if info.get("type") != "file":
         return None
     mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
-    mtime_ns = int(mtime.timestamp() * 1e9) if hasattr(mtime, "timestamp") else (
-        int(float(mtime) * 1e9) if mtime is not None else None
+    mtime_ns = (
+        int(mtime.timestamp() * 1e9)
+        if hasattr(mtime, "timestamp")
+        else (int(float(mtime) * 1e9) if mtime is not None else None)
     )
     return _Original(loc, int(info.get("size") or 0), mtime_ns)

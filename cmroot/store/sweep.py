@@ -32,14 +32,23 @@ class SweepReport:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "dry_run": self.dry_run, "now": self.now, "removed": self.removed,
-            "removed_objects": len(self.removed), "removed_bytes": self.removed_bytes,
-            "failed": self.failed, "skipped": self.skipped, "duration": self.duration,
+            "dry_run": self.dry_run,
+            "now": self.now,
+            "removed": self.removed,
+            "removed_objects": len(self.removed),
+            "removed_bytes": self.removed_bytes,
+            "failed": self.failed,
+            "skipped": self.skipped,
+            "duration": self.duration,
         }
 
 
 def sweep(
-    index: Index, objects: Objects, now: float, trash: bool, dry_run: bool = False,
+    index: Index,
+    objects: Objects,
+    now: float,
+    trash: bool,
+    dry_run: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> SweepReport:
     started = time.monotonic()
@@ -60,7 +69,11 @@ def sweep(
                 try:
                     return o, objects.remove_expired(o.checksum, now, trash and o.keep), None
                 except OSError as e:
-                    return o, None, f"{e.strerror or e}: {e.filename or objects.layout.object_path(o.checksum)}"
+                    return (
+                        o,
+                        None,
+                        f"{e.strerror or e}: {e.filename or o.checksum}",
+                    )
 
             gone = []
             for o, action, error in pool.map(remove, page):

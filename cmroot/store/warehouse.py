@@ -69,7 +69,9 @@ class Warehouse:
         if not isinstance(raw, str) or not raw:
             raise BadRequest("bad path", f"{raw!r}: give an absolute path or URL as a string")
         if "\0" in raw or len(raw) > MAX_PATH:
-            raise BadRequest("bad path", f"{raw[:200]!r}: NUL bytes and paths over 4096 chars are refused")
+            raise BadRequest(
+                "bad path", f"{raw[:200]!r}: NUL bytes and paths over 4096 chars are refused"
+            )
         lp = local_path(raw)
         if lp is not None:
             if not lp.startswith("/"):
@@ -84,13 +86,17 @@ class Warehouse:
                             f"{raw!r} resolves through a symlink to {real!r}",
                         )
                     return Located(key, root, key)
-            raise OutsideRoots("path outside the warehouse roots", f"{raw!r} is not under {self._names()}")
+            raise OutsideRoots(
+                "path outside the warehouse roots", f"{raw!r} is not under {self._names()}"
+            )
         scheme, _, rest = raw.partition("://")
         key = f"{scheme}://{_normalise('/' + rest, raw)[1:]}"
         for root in self.roots:
             if not root.local and _under(key, root.url):
-                return Located(key, root, root.path + key[len(root.url):])
-        raise OutsideRoots("path outside the warehouse roots", f"{raw!r} is not under {self._names()}")
+                return Located(key, root, root.path + key[len(root.url) :])
+        raise OutsideRoots(
+            "path outside the warehouse roots", f"{raw!r} is not under {self._names()}"
+        )
 
     def _names(self) -> str:
         return ", ".join(r.url for r in self.roots)
@@ -152,7 +158,9 @@ def _add_local(
         real = os.path.realpath(path)
         if not any(r.local and _under(real, r.real) for r in wh.roots):
             raise OutsideRoots("symlink escapes the warehouse roots", f"{path} points to {real}")
-        raise BadRequest("symlinks are not recycled", f"{path} is a symlink: recycle {real} instead")
+        raise BadRequest(
+            "symlinks are not recycled", f"{path} is a symlink: recycle {real} instead"
+        )
     if not stat.S_ISREG(st.st_mode):
         raise BadRequest("not a regular file", f"{path} is a device, socket or pipe")
     files[path] = SourceFile(path, loc.root, path, st.st_size)
