@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import posixpath
 import stat
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,8 @@ from cmroot.config import local_path
 from cmroot.exceptions import BadRequest, NotFound, OutsideRoots
 
 MAX_PATH = 4096
+_REALPATH_TTL = 1.0
+_REALPATH_CACHE = 65536
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,22 @@ class Warehouse:
             else:
                 fs, path = fsspec.core.url_to_fs(url)
                 self.roots.append(Root(url.rstrip("/"), fs, path.rstrip("/"), False, ""))
+        self._real_dirs: dict[str, tuple[float, str]] = {}
+
+    def _realpath(self, path: str) -> str:
+        """realpath(), with the parent directory's answer cached for a second: a batch of
+        thousands of files in a few partitions costs one lstat per file, not one per
+        path component."""
+        parent, _, name = path.rpartition("/")
+        now = time.monotonic()
+        hit = self._real_dirs.get(parent)
+        if hit is None or now - hit[0] > _REALPATH_TTL:
+            if len(self._real_dirs) > _REALPATH_CACHE:
+                self._real_dirs.clear()
+            hit = (now, os.path.realpath(parent or "/"))
+            self._real_dirs[parent] = hit
+        joined = os.path.join(hit[1], name)
+        return os.path.realpath(joined) if os.path.islink(joined) else joined
 
     def locate(self, raw: object) -> Located:
         """Canonicalise and confine one request path (it need not exist)."""
@@ -79,7 +98,7 @@ class Warehouse:
             key = _normalise(lp, raw)
             for root in self.roots:
                 if root.local and _under(key, root.url):
-                    real = os.path.realpath(key)
+                    real = self._realpath(key)
                     if not any(r.local and _under(real, r.real) for r in self.roots):
                         raise OutsideRoots(
                             "path escapes the warehouse roots",
