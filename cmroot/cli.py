@@ -24,7 +24,7 @@ import fsspec
 from cmroot import __version__
 from cmroot import checksum as cks
 from cmroot import config as cfg
-from cmroot.exceptions import BadRequest, CmrootError, StoreLocked
+from cmroot.exceptions import BadRequest, CmrootError, NotFound, StoreLocked
 from cmroot.logs import setup_logging
 from cmroot.store import RecycleRequest, Store
 
@@ -115,6 +115,15 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("fsck", parents=[common], help="check store and index agree")
     s.add_argument("--repair", action="store_true")
+
+    s = sub.add_parser(
+        "spark-conf",
+        parents=[common],
+        help="build the Spark shim and print the --conf lines that turn the hook on",
+    )
+    s.add_argument("--format", choices=["submit", "defaults"], default="submit",
+                   help="`--conf k=v` lines (default) or spark-defaults.conf lines")
+    s.add_argument("--fail-open", action="store_true", help="delete anyway if cmroot is down")
 
     s = sub.add_parser("token", parents=[common], help="create API tokens")
     s.add_argument("action", choices=["create"])
@@ -360,7 +369,12 @@ def _gc(args: argparse.Namespace) -> int:
 def _checksum(args: argparse.Namespace) -> int:
     def one(url: str) -> str:
         fs, path = fsspec.core.url_to_fs(url)
-        return cks.of_file(fs, path)
+        try:
+            return cks.of_file(fs, path)
+        except FileNotFoundError:
+            raise NotFound("no such file", url) from None
+        except IsADirectoryError:
+            raise BadRequest("not a file", f"{url} is a directory") from None
 
     progress = Progress("hashed files", not args.quiet and len(args.paths) > 100)
     rows = [
@@ -412,6 +426,15 @@ def _token(args: argparse.Namespace) -> int:
     return 0
 
 
+def _spark_conf(args: argparse.Namespace) -> int:
+    from cmroot import spark
+
+    url = args.url or _load(args).server.base_url
+    conf = spark.spark_conf(url, args.token, fail_open=args.fail_open)
+    _out(args, conf, lambda c: "\n".join(spark.format_conf(c, args.format)))
+    return 0
+
+
 _VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "serve": _serve,
     "recycle": _recycle,
@@ -422,6 +445,7 @@ _VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "checksum": _checksum,
     "fsck": _fsck,
     "token": _token,
+    "spark-conf": _spark_conf,
 }
 
 

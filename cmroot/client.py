@@ -56,7 +56,8 @@ class Client:
         return res
 
     def resolve(self, files: list[dict[str, str]]) -> dict[str, Any]:
-        return self._json("POST", "/v1/resolve", {"files": files})
+        # A POST that changes nothing: safe to retry on a stale keep-alive connection.
+        return self._json("POST", "/v1/resolve", {"files": files}, retry=True)
 
     def get(self, path: str, checksum: str, out: IO[bytes]) -> int:
         """Write the bytes of (path, checksum) to `out`; returns the byte count."""
@@ -108,8 +109,10 @@ class Client:
             return False
 
     # -- transport --------------------------------------------------------------------------
-    def _json(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
-        resp = self._request(method, path, body)
+    def _json(
+        self, method: str, path: str, body: Any = None, retry: bool = False
+    ) -> dict[str, Any]:
+        resp = self._request(method, path, body, retry=retry)
         if resp.status >= 400:
             self._raise(resp)
         try:
@@ -134,7 +137,12 @@ class Client:
         raise for_status(resp.status)(message or f"HTTP {resp.status}", detail)
 
     def _request(
-        self, method: str, path: str, body: Any, headers: dict[str, str] | None = None
+        self,
+        method: str,
+        path: str,
+        body: Any,
+        headers: dict[str, str] | None = None,
+        retry: bool = False,
     ) -> http.client.HTTPResponse:
         payload = json.dumps(body).encode() if body is not None else None
         hdrs = {"Accept": "application/json", **(headers or {})}
@@ -153,7 +161,7 @@ class Client:
                 self._local.conn = None
                 if (
                     attempt == 0
-                    and method == "GET"
+                    and (method == "GET" or retry)
                     and isinstance(
                         e, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
                     )

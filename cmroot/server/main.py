@@ -27,6 +27,7 @@ from cmroot.store import Store
 
 log = logging.getLogger("cmroot.server")
 SHUTDOWN_GRACE = 120.0  # seconds an in-flight request may take to finish on SIGTERM
+MAX_REQUEST_LINE = 64 * 1024
 
 
 def serve(config: cfg.Config, host: str | None = None, port: int | None = None) -> int:
@@ -103,7 +104,14 @@ async def _run(config: cfg.Config, service: Service) -> None:
     notifier = Notifier()
     app = create_app(service, config.server.max_body)
     runner = web.AppRunner(
-        app, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE, access_log=None
+        app,
+        handle_signals=False,
+        shutdown_timeout=SHUTDOWN_GRACE,
+        access_log=None,
+        # A request path may be 4096 characters (warehouse.MAX_PATH); percent-encoded in
+        # GET /v1/files it can take several times that. aiohttp's default 8190-byte request
+        # line would refuse it with a plain-text 400 before the API could answer.
+        max_line_size=MAX_REQUEST_LINE,
     )
     await runner.setup()
     site = web.TCPSite(

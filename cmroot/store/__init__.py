@@ -162,6 +162,7 @@ class Store:
         """The verified bytes for (path, checksum): the original if it still hashes to the
         checksum, else the store's object if an entry records that pair."""
         [(loc, c)] = parse_pairs(self.warehouse, [{"path": path, "checksum": checksum}])
+        self.warehouse.confirm(loc)
         original = self.resolver.original(loc)
         if original is not None and self.resolver.checksums([original])[loc.key] == c:
             return FileRef("original", loc.root.fs, loc.path, original.size)

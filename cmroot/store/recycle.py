@@ -29,7 +29,7 @@ from typing import Any
 import fsspec
 
 from cmroot import checksum as cks
-from cmroot.config import StoreConfig
+from cmroot.config import StoreConfig, local_path
 from cmroot.exceptions import BadRequest, ChecksumMismatch, CmrootError, RecycleFailed
 from cmroot.index import Entry, Event, Index
 from cmroot.store.layout import Layout, is_cross_device, same_bytes, sync_filesystem
@@ -62,9 +62,9 @@ class RecycleRequest:
             or not self.paths
         ):
             raise BadRequest("bad paths", "give a non-empty list of paths")
-        if self.mode not in MODES:
+        if not isinstance(self.mode, str) or self.mode not in MODES:
             raise BadRequest("bad mode", f'{self.mode!r}: use "move" or "copy"')
-        if self.op not in DESTRUCTIVE_OPS:
+        if not isinstance(self.op, str) or self.op not in DESTRUCTIVE_OPS:
             raise BadRequest(
                 "unknown op", f"{self.op!r}: use one of {', '.join(sorted(DESTRUCTIVE_OPS))}"
             )
@@ -157,7 +157,7 @@ class Recycler:
             sync_filesystem(self.layout.root)
             event_id = self._commit(txid, req, items, now)
         except BaseException as e:
-            self._undo(txid, items)
+            self._undo(txid, items, req.mode)
             if isinstance(e, CmrootError) or not isinstance(e, Exception):
                 raise
             raise RecycleFailed(
@@ -267,17 +267,41 @@ class Recycler:
             _remove_empty_dirs(d, keep_top=self.warehouse.is_root(d))
 
     # -- rollback --------------------------------------------------------------------------
-    def _undo(self, txid: str, items: list[_Item]) -> None:
+    def _undo(self, txid: str, items: list[_Item], mode: str) -> None:
         displaced = []
         for it in items:
-            if os.path.lexists(it.staged) and not _put_back(it.key, it.staged):
+            # Only an object this recycle published (its staged name is a hard link to it)
+            # may be discarded; one it merely deduplicated against stays.
+            ours = bool(it.checksum) and _same_inode(
+                it.staged, self.layout.object_path(it.checksum or "")
+            )
+            copy = os.path.lexists(it.staged) and self._staged_by_copy(it, mode)
+            if os.path.lexists(it.staged) and not _put_back(it.key, it.staged, copy):
                 displaced.append(it)
-            if it.checksum:
+            if it.checksum and ours:
                 self.objects.discard_unindexed(txid, it.checksum)
+            elif it.checksum:
+                self.objects.release(txid, {it.checksum})
         if displaced:
             self._keep_displaced(txid, displaced)
         shutil.rmtree(self.layout.tx_dir(txid), ignore_errors=True)
         self.index.journal_end(txid)
+
+    def _staged_by_copy(self, it: _Item, mode: str) -> bool:
+        """Whether the staged file is a copy (possibly partial) of a source that never left,
+        rather than the source itself renamed away."""
+        if mode == "copy":
+            return True
+        if it.src is not None:
+            return not it.renamed
+        # Recovery of a move: a rename was used unless the source is on another filesystem.
+        source = local_path(it.key)
+        if source is None:
+            return True
+        parent = os.path.dirname(source)
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        return os.stat(parent).st_dev != os.stat(self.layout.staging).st_dev
 
     def _keep_displaced(self, txid: str, items: list[_Item]) -> None:
         """A file whose source path was re-created while it was away cannot go back without
@@ -307,7 +331,7 @@ class Recycler:
             log.warning(
                 "rolling back an interrupted recycle", extra={"txid": tx.txid, "files": len(items)}
             )
-            self._undo(tx.txid, items)
+            self._undo(tx.txid, items, tx.mode)
         self._clear_staging_leftovers()
         return len(pending)
 
@@ -328,12 +352,21 @@ class Recycler:
             shutil.rmtree(top, ignore_errors=True)
 
 
-def _put_back(source: str, staged: str) -> bool:
-    """Return a staged file to its source. False if the source path is taken by other bytes."""
+def _same_inode(a: str, b: str) -> bool:
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def _put_back(source: str, staged: str, copy: bool = False) -> bool:
+    """Return a staged file to its source. False if the source path is taken by other bytes.
+    A `copy` (possibly partial) of a source that is still there is simply dropped."""
     local = "://" not in source or source.startswith("file://")
     if local:
         if os.path.lexists(source):
-            if same_bytes(source, staged):
+            if copy or same_bytes(source, staged):
                 os.unlink(staged)
                 return True
             return False
@@ -349,6 +382,9 @@ def _put_back(source: str, staged: str) -> bool:
         os.unlink(staged)
         return True
     fs, path = fsspec.core.url_to_fs(source)
+    if fs.exists(path) and copy:
+        os.unlink(staged)
+        return True
     if fs.exists(path):
         with fs.open(path, "rb") as f:
             same = cks.of_stream(f) == cks.of_local_file(staged)

@@ -4,6 +4,7 @@ replication load that resolves the same files again does not re-read them."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Sequence
@@ -129,6 +130,10 @@ def _stat(loc: Located) -> _Original | None:
             st = os.stat(loc.key)
         except (FileNotFoundError, NotADirectoryError):
             return None
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENAMETOOLONG):  # a symlink loop: no file there
+                return None
+            raise
         if not stat.S_ISREG(st.st_mode):
             return None
         return _Original(loc, st.st_size, st.st_mtime_ns)

@@ -21,6 +21,7 @@ from cmroot.config import local_path
 from cmroot.exceptions import BadRequest, NotFound, OutsideRoots
 
 MAX_PATH = 4096
+NAME_MAX = 255
 _REALPATH_TTL = 1.0
 _REALPATH_CACHE = 65536
 
@@ -91,11 +92,17 @@ class Warehouse:
             raise BadRequest(
                 "bad path", f"{raw[:200]!r}: NUL bytes and paths over 4096 chars are refused"
             )
-        lp = local_path(raw)
+        try:
+            raw.encode("utf-8")  # a lone surrogate (JSON "\ud800") names no file
+            lp = local_path(raw)  # urlsplit refuses e.g. "file://[x"
+        except ValueError as e:
+            raise BadRequest("bad path", f"{raw[:200]!r}: {e}") from None
         if lp is not None:
             if not lp.startswith("/"):
                 raise BadRequest("bad path", f"{raw!r} is relative: give an absolute path")
             key = _normalise(lp, raw)
+            if any(len(s.encode()) > NAME_MAX for s in key.split("/")):
+                raise BadRequest("bad path", f"{raw[:200]!r} has a name over {NAME_MAX} bytes")
             for root in self.roots:
                 if root.local and _under(key, root.url):
                     real = self._realpath(key)
@@ -137,6 +144,17 @@ class Warehouse:
     def is_root(self, loc: Located) -> bool:
         return loc.key == loc.root.url
 
+    def confirm(self, loc: Located) -> None:
+        """Re-check confinement without the realpath cache, just before a file is moved or
+        served: a parent swapped for a symlink a moment ago must not let it escape."""
+        if loc.local:
+            real = os.path.realpath(loc.key)
+            if not any(r.local and _under(real, r.real) for r in self.roots):
+                raise OutsideRoots(
+                    "path escapes the warehouse roots",
+                    f"{loc.key!r} resolves through a symlink to {real!r}",
+                )
+
 
 def _normalise(path: str, raw: str) -> str:
     if ".." in path.split("/"):
@@ -149,9 +167,10 @@ def _under(path: str, root: str) -> bool:
 
 
 def _expand_local(wh: Warehouse, loc: Located, files: dict[str, SourceFile]) -> bool:
+    wh.confirm(loc)
     try:
         st = os.lstat(loc.key)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise NotFound("no such file", f"{loc.key} does not exist") from None
     if stat.S_ISDIR(st.st_mode):
         _walk(wh, loc, loc.key, files)
@@ -182,6 +201,10 @@ def _add_local(
         )
     if not stat.S_ISREG(st.st_mode):
         raise BadRequest("not a regular file", f"{path} is a device, socket or pipe")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest("file name is not UTF-8", f"{path!r}: rename it first") from None
     files[path] = SourceFile(path, loc.root, path, st.st_size)
 
 

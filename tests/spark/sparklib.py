@@ -1,0 +1,196 @@
+"""Helpers for the Spark hook tests and benchmark: a real daemon on loopback (a `cmroot
+serve` subprocess), a PySpark builder with Hive support and an embedded Derby metastore in a
+temporary directory, and checks that recycled files come back byte for byte."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from cmroot import checksum as cks
+from cmroot.client import Client
+
+REPO = Path(__file__).resolve().parents[2]
+SPARK_TEMP = (".spark-staging-", ".hive-staging", "_temporary")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Daemon:
+    """`cmroot serve` on loopback over <base>/cmroot, with <base>/warehouse as its root."""
+
+    def __init__(self, base: Path, port: int | None = None) -> None:
+        self.base = base
+        self.warehouse = base / "warehouse"
+        self.store = base / "cmroot"
+        self.warehouse.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.client = Client(self.url, timeout=120)
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CMROOT_")}
+        env.update(
+            CMROOT_STORE_ROOT=str(self.store),
+            CMROOT_STORE_WAREHOUSE_ROOTS=str(self.warehouse),
+            CMROOT_SERVER_PORT=str(self.port),
+            CMROOT_SERVER_HOST="127.0.0.1",
+            CMROOT_STORE_RETAIN="24h",
+            CMROOT_CONFIG="",
+            PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        )
+        return env
+
+    def start(self) -> Daemon:
+        log = open(self.base / "daemon.log", "ab")  # noqa: SIM115 - owned by the process
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cmroot.cli", "serve"],
+            env=self.env(),
+            stdout=log,
+            stderr=log,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"cmroot serve exited: {(self.base / 'daemon.log').read_text()}")
+            if self.client.healthy():
+                return self
+            time.sleep(0.1)
+        raise RuntimeError("cmroot serve did not become ready")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+        self.client.close()
+
+    @contextlib.contextmanager
+    def down(self) -> Iterator[None]:
+        """The daemon stopped for the duration, then started again on the same port."""
+        self.stop()
+        try:
+            yield
+        finally:
+            self.start()
+
+    def events_after(self, event_id: int) -> list[dict[str, Any]]:
+        return [e for e in self.client.events(event_id + 1, 1000) if e["id"] > event_id]
+
+    def current(self) -> int:
+        return self.client.current_event()
+
+
+def spark_builder(base: Path, warehouse: Path, app: str = "cmroot-test") -> Any:
+    """local[2], Hive support, Derby metastore and scratch dirs under `base`."""
+    from pyspark.sql import SparkSession
+
+    derby = base / "derby"
+    derby.mkdir(parents=True, exist_ok=True)
+    return (
+        SparkSession.builder.master("local[2]")
+        .appName(app)
+        .config("spark.sql.warehouse.dir", str(warehouse))
+        .config(
+            "spark.hadoop.javax.jdo.option.ConnectionURL",
+            f"jdbc:derby:;databaseName={base}/metastore_db;create=true",
+        )
+        .config("spark.driver.extraJavaOptions", f"-Dderby.system.home={derby}")
+        .config("spark.hadoop.hive.exec.scratchdir", str(base / "hive-scratch"))
+        .config("spark.local.dir", str(base / "spark-local"))
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.default.parallelism", "2")
+        .config("spark.sql.adaptive.enabled", "false")
+        .config("spark.driver.memory", "1g")
+        .config("spark.hadoop.hive.exec.dynamic.partition.mode", "nonstrict")
+        .enableHiveSupport()
+    )
+
+
+def fresh_jvm_if_needed(jar: str | None) -> None:
+    """Stop any session; restart the py4j JVM when it was launched without `jar` on its
+    class path (class paths are fixed when the JVM starts)."""
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        active.stop()
+    if SparkContext._active_spark_context is not None:
+        SparkContext._active_spark_context.stop()
+    gw = SparkContext._gateway
+    if gw is None:
+        return
+    classpath = gw.jvm.java.lang.System.getProperty("java.class.path") or ""
+    if jar is None or jar not in classpath.split(os.pathsep):
+        gw.shutdown()
+        SparkContext._gateway = None
+        SparkContext._jvm = None
+
+
+def release_filesystems() -> None:
+    """Forget cached Hadoop file systems, so the next application builds its own."""
+    from pyspark import SparkContext
+
+    if SparkContext._jvm is not None:
+        with contextlib.suppress(Exception):
+            SparkContext._jvm.org.apache.hadoop.fs.FileSystem.closeAll()
+
+
+def data_files(root: Path) -> dict[str, bytes]:
+    """Every regular file under `root` (Spark's temp/staging excluded), with its bytes."""
+    out: dict[str, bytes] = {}
+    if not root.exists():
+        return out
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(SPARK_TEMP)]
+        for f in filenames:
+            p = os.path.join(dirpath, f)
+            with open(p, "rb") as fh:
+                out[p] = fh.read()
+    return out
+
+
+def parquet_files(files: Iterable[str]) -> list[str]:
+    return [p for p in files if p.endswith(".parquet") or "/part-" in p]
+
+
+def assert_retrievable(client: Client, files: dict[str, bytes]) -> None:
+    """Each (path, checksum) resolves to the cmroot and its bytes come back identical."""
+    assert files, "nothing to check"
+    pairs = [{"path": p, "checksum": cks.of_bytes(b)} for p, b in files.items()]
+    res = client.resolve(pairs)["files"]
+    wrong = [r for r in res if r["status"] != "cmroot"]
+    assert not wrong, f"not in the cmroot: {wrong[:3]}"
+    import io
+
+    for p, b in files.items():
+        buf = io.BytesIO()
+        client.get(p, cks.of_bytes(b), buf)
+        assert buf.getvalue() == b, f"bytes differ for {p}"
+
+
+def recycled_paths(events: list[dict[str, Any]]) -> set[str]:
+    return {f["path"] for e in events for f in (e.get("files") or [])}
+
+
+def rmtree(p: Path) -> None:
+    shutil.rmtree(p, ignore_errors=True)

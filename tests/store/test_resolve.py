@@ -1,0 +1,191 @@
+"""Resolve and locate: per pair `original` / `cmroot` / `missing`, in request order, for
+thousands of pairs per call; originals' checksums cached by (path, size, mtime)."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+from cmroot_testlib import assert_retrievable, make_table, pairs_of, table_dir, write_file
+
+from cmroot import checksum as cks
+from cmroot.exceptions import BadRequest, NotFound
+from cmroot.store import RecycleRequest, Store
+from cmroot.store.resolve import MAX_PAIRS
+
+
+class CountingHash:
+    """Wraps cmroot.checksum.of_file and counts the files it reads."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.paths: list[str] = []
+        real = cks.of_file
+
+        def of_file(fs, path):
+            self.paths.append(path)
+            return real(fs, path)
+
+        monkeypatch.setattr(cks, "of_file", of_file)
+
+    def take(self) -> list[str]:
+        out, self.paths = self.paths, []
+        return out
+
+
+def test_checksum_cache_skips_unchanged_originals_and_rehashes_changed_ones(
+    env, store, monkeypatch
+) -> None:
+    files = make_table(env.warehouse, "db", "t", [{"p": "1"}], files_per_partition=5)
+    pairs = pairs_of(files)
+    hashed = CountingHash(monkeypatch)
+
+    assert {r.status for r in store.resolve(pairs)} == {"original"}
+    assert sorted(hashed.take()) == sorted(files)  # the first resolve reads every file
+    assert {r.status for r in store.resolve(pairs)} == {"original"}
+    assert hashed.take() == []  # the second reads none
+    ref = store.locate(pairs[0]["path"], pairs[0]["checksum"])
+    assert ref.status == "original" and hashed.take() == []
+
+    p_size, p_mtime, p_same = sorted(files)[:3]
+    # size change: new bytes appended
+    with open(p_size, "ab") as f:
+        f.write(b"more")
+    # same size, other bytes, mtime moved on
+    st = os.stat(p_mtime)
+    Path(p_mtime).write_bytes(bytes(b ^ 1 for b in files[p_mtime]))
+    os.utime(p_mtime, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    # same bytes rewritten with a new mtime: re-hashed, still original
+    st = os.stat(p_same)
+    os.utime(p_same, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))
+
+    res = {r.path: r.status for r in store.resolve(pairs)}
+    assert sorted(hashed.take()) == sorted([p_size, p_mtime, p_same])
+    assert res[p_size] == "missing" and res[p_mtime] == "missing"
+    assert res[p_same] == "original"
+    assert all(res[p] == "original" for p in files if p not in (p_size, p_mtime, p_same))
+    # and the new state is cached in turn
+    store.resolve(pairs)
+    assert hashed.take() == []
+
+
+def test_a_readonly_store_answers_without_writing_the_cache(env, store, monkeypatch) -> None:
+    files = make_table(env.warehouse, "db", "t", [{}], files_per_partition=3)
+    hashed = CountingHash(monkeypatch)
+    ro = env.open(readonly=True)
+    for _ in range(2):
+        assert {r.status for r in ro.resolve(pairs_of(files))} == {"original"}
+        assert len(hashed.take()) == 3
+
+
+def test_a_batch_of_thousands_mixing_original_cmroot_and_missing(env, store, clock) -> None:
+    rng = random.Random(5)
+    parts = [{"p": str(i)} for i in range(10)]
+    kept = make_table(
+        env.warehouse, "db", "kept", parts, files_per_partition=100, size=(0, 512), rng=rng
+    )
+    gone = make_table(
+        env.warehouse, "db", "gone", parts, files_per_partition=100, size=(0, 512), rng=rng
+    )
+    store.recycle(
+        RecycleRequest(
+            paths=[str(table_dir(env.warehouse, "db", "gone"))],
+            op="DROP_TABLE",
+            db="db",
+            table="gone",
+        )
+    )
+    never = [
+        {
+            "path": str(env.warehouse / "db.db" / "never" / f"f{i}"),
+            "checksum": cks.of_bytes(str(i).encode()),
+        }
+        for i in range(500)
+    ]
+    wrong = [{"path": p, "checksum": cks.of_bytes(b + b"x")} for p, b in list(kept.items())[:500]]
+    want = (
+        [(x, "original") for x in pairs_of(kept)]
+        + [(x, "cmroot") for x in pairs_of(gone)]
+        + [(x, "missing") for x in never + wrong]
+    )
+    rng.shuffle(want)
+    assert len(want) == 3000
+
+    res = store.resolve([x for x, _ in want])
+    assert len(res) == len(want)
+    for r, (pair, status) in zip(res, want, strict=True):
+        assert (r.path, r.checksum) == (pair["path"], pair["checksum"])  # request order
+        assert r.status == status, r
+        if status == "original":
+            assert r.location == r.path and r.size == len(kept[r.path])
+        elif status == "cmroot":
+            c = r.checksum
+            assert r.location == str(env.objects_dir / c[:2] / c[2:4] / c)
+            assert r.size == len(gone[r.path])
+            with open(r.location, "rb") as f:
+                assert f.read() == gone[r.path]
+        else:
+            assert r.location is None and r.size is None
+            assert r.to_json()["status"] == "missing"
+
+
+def test_duplicate_pairs_each_get_an_answer(env, store) -> None:
+    [(p, b)] = make_table(env.warehouse, "db", "t", [{}], files_per_partition=1).items()
+    pair = {"path": p, "checksum": cks.of_bytes(b)}
+    assert [r.status for r in store.resolve([pair, pair, pair])] == ["original"] * 3
+
+
+def test_original_wins_while_it_still_holds_the_bytes(env, store) -> None:
+    data = b"x" * 100
+    p = str(write_file(env.warehouse / "t" / "f", data))
+    store.recycle(RecycleRequest(paths=[p], mode="copy", op="INSERT_OVERWRITE"))
+    c = cks.of_bytes(data)
+    assert store.resolve([{"path": p, "checksum": c}])[0].status == "original"
+    assert store.locate(p, c).status == "original"
+    Path(p).write_bytes(b"overwritten")
+    assert store.resolve([{"path": p, "checksum": c}])[0].status == "cmroot"
+    ref = store.locate(p, c)
+    assert ref.status == "cmroot"
+    assert Path(ref.path).read_bytes() == data
+    assert store.locate(p, cks.of_bytes(b"overwritten")).status == "original"
+
+
+def test_a_recorded_pair_whose_object_is_gone_is_missing(env, store) -> None:
+    data = b"y" * 10
+    p = str(write_file(env.warehouse / "t" / "f", data))
+    store.recycle(RecycleRequest(paths=[p], op="DELETE"))
+    c = cks.of_bytes(data)
+    os.unlink(env.objects_dir / c[:2] / c[2:4] / c)
+    assert store.resolve([{"path": p, "checksum": c}])[0].status == "missing"
+    with pytest.raises(NotFound):
+        store.locate(p, c)
+
+
+def test_directories_and_missing_parents_are_not_originals(env, store) -> None:
+    d = env.warehouse / "db.db" / "t"
+    d.mkdir(parents=True)
+    f = write_file(d / "file", b"z")
+    c = cks.of_bytes(b"")
+    res = store.resolve(
+        [
+            {"path": str(d), "checksum": c},
+            {"path": str(f / "below-a-file"), "checksum": c},
+            {"path": str(env.warehouse / "no" / "such" / "dir"), "checksum": c},
+        ]
+    )
+    assert [r.status for r in res] == ["missing"] * 3
+
+
+def test_empty_and_oversized_batches(env, store) -> None:
+    assert store.resolve([]) == []
+    with pytest.raises(BadRequest, match="too many"):
+        store.resolve([{"path": "/x", "checksum": "0" * 32}] * (MAX_PAIRS + 1))
+
+
+def test_retrieval_after_recycle_round_trip(env, store: Store) -> None:
+    files = make_table(
+        env.warehouse, "db", "t", [{"p": "1"}, {"p": "2"}], files_per_partition=4, size=(0, 200_000)
+    )
+    store.recycle(RecycleRequest(paths=[str(table_dir(env.warehouse, "db", "t"))], op="DROP_TABLE"))
+    assert_retrievable(store, files, status="cmroot")

@@ -1,0 +1,212 @@
+"""cmroot.client.Client against the real daemon (a `cmroot serve` subprocess): every call,
+errors mapped back to the same cmroot.exceptions the store raises, keep-alive surviving a
+daemon restart, one client shared by threads, and a clear DaemonUnavailable when nothing
+listens."""
+
+from __future__ import annotations
+
+import io
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from cmroot import checksum as cks  # noqa: E402
+from cmroot.client import Client  # noqa: E402
+from cmroot.exceptions import (  # noqa: E402
+    BadRequest,
+    CmrootError,
+    DaemonUnavailable,
+    Forbidden,
+    NotFound,
+    PayloadTooLarge,
+    Unauthorized,
+)
+from tests.server.cmroot_daemon import Daemon, free_port, write_files  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    d = Daemon(tmp_path / "d", env={"CMROOT_SERVER_MAX_BODY": "65536"})
+    d.start()
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+def test_every_call(daemon: Daemon) -> None:
+    d = daemon
+    files = write_files(
+        d.warehouse, {f"db.db/t/p=1/f{i}": f"bytes {i}".encode() * 300 for i in range(5)}
+    )
+    sums = {p: cks.of_bytes(b) for p, b in files.items()}
+    c = d.client("admin")
+    assert c.healthy()
+    e0 = c.add_event(
+        "CREATE_TABLE",
+        db="db",
+        table="t",
+        files=[{"path": p, "checksum": s, "size": len(files[p])} for p, s in sums.items()],
+    )
+    seen: list[tuple[int, int]] = []
+    res = c.recycle(
+        [str(d.warehouse / "db.db/t")],
+        progress=lambda a, b: seen.append((a, b)),
+        op="DROP_TABLE",
+        db="db",
+        table="t",
+        partitions=[{"p": "1"}],
+        mode="move",
+        purge=False,
+    )
+    assert res["event_id"] == e0 + 1 and seen == [(5, 5)]
+    assert {f["path"]: f["checksum"] for f in res["files"]} == sums
+    out = c.resolve([{"path": p, "checksum": s} for p, s in sums.items()])["files"]
+    assert {f["status"] for f in out} == {"cmroot"}
+    for p, b in files.items():
+        buf = io.BytesIO()
+        assert c.get(p, sums[p], buf) == len(b) and buf.getvalue() == b
+    p = next(iter(files))
+    with c.open(p, sums[p], byte_range=(3, 9)) as resp:
+        assert resp.status == 206 and resp.read() == files[p][3:10]
+        assert resp.getheader("ETag") == f'"{sums[p]}"'
+    page = c.entries(db="db", table="t", limit=2)
+    assert len(page["entries"]) == 2 and page["cursor"] is not None
+    rest = c.entries(db="db", table="t", limit=10, cursor=page["cursor"])
+    assert len(rest["entries"]) == 3 and rest["cursor"] is None
+    assert [e["eventType"] for e in c.events()] == ["CREATE_TABLE", "DROP_TABLE"]
+    assert c.current_event() == e0 + 1
+    assert c.gc(dry_run=True)["dry_run"] is True
+    assert c.gc()["removed"] == []
+    c.close()
+    assert c.current_event() == e0 + 1  # a closed client reconnects
+
+
+def test_errors_come_back_as_cmroot_exceptions(daemon: Daemon) -> None:
+    d = daemon
+    write_files(d.outside, {"secret": b"s"})
+    c = d.client("admin")
+    with pytest.raises(BadRequest) as e:
+        c.recycle(["/x"], op="NUKE")
+    assert e.value.message == "unknown op" and "NUKE" in e.value.detail
+    with pytest.raises(Forbidden) as e:
+        c.recycle([str(d.outside / "secret")], op="DELETE")
+    assert "outside" in e.value.message
+    with pytest.raises(NotFound):
+        c.recycle([str(d.warehouse / "nope")], op="DELETE")
+    with pytest.raises(NotFound):
+        c.get(str(d.warehouse / "nope"), "0" * 32, io.BytesIO())
+    with pytest.raises(BadRequest) as e:
+        c.resolve([{"path": str(d.warehouse / "x"), "checksum": "XYZ"}])
+    assert "pair #0" in e.value.message
+    with pytest.raises(PayloadTooLarge):
+        c.resolve([{"path": str(d.warehouse / "x"), "checksum": "0" * 32}] * 2000)
+    with pytest.raises(Forbidden) as e:
+        d.client("read").gc()
+    assert "scope" in e.value.message
+    with pytest.raises(Unauthorized):
+        Client(d.url, "wrong").entries()
+    with pytest.raises(Unauthorized):
+        Client(d.url).entries()
+    assert (d.outside / "secret").read_bytes() == b"s"
+    assert d.errors() == [], d.log()
+
+
+def test_keep_alive_survives_a_restart(daemon: Daemon) -> None:
+    d = daemon
+    files = write_files(d.warehouse, {"db.db/t/f": b"abc"})
+    pair = [{"path": p, "checksum": cks.of_bytes(b)} for p, b in files.items()]
+    c = d.client("admin")
+    assert c.resolve(pair)["files"][0]["status"] == "original"
+    c.entries()
+    d.restart()
+    # The pooled connection is stale; reads retry once on a fresh one.
+    assert c.entries()["entries"] == []
+    d.restart()
+    assert c.resolve(pair)["files"][0]["status"] == "original"
+
+
+def test_one_client_shared_by_threads(daemon: Daemon) -> None:
+    d = daemon
+    files = write_files(d.warehouse, {f"db.db/t/f{i}": bytes([i]) * 100 for i in range(16)})
+    c = d.client("admin")
+    errors: list[BaseException] = []
+
+    def work(path: str) -> None:
+        try:
+            c.recycle([path], op="DELETE")
+            for _ in range(10):
+                buf = io.BytesIO()
+                c.get(path, cks.of_bytes(files[path]), buf)
+                assert buf.getvalue() == files[path]
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in files]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert c.current_event() == 16
+
+
+def test_nothing_listening_is_daemon_unavailable() -> None:
+    port = free_port()
+    c = Client(f"http://127.0.0.1:{port}", timeout=5)
+    with pytest.raises(DaemonUnavailable) as e:
+        c.entries()
+    assert "cmroot" in str(e.value) and "cmroot serve" in str(e.value)
+    with pytest.raises(DaemonUnavailable) as e:
+        c.recycle(["/x"], op="DELETE")
+    assert "cmroot" in str(e.value)
+    assert c.healthy() is False
+
+
+def test_connection_cut_mid_answer_is_daemon_unavailable() -> None:
+    """A server that accepts and hangs up without answering."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    port = srv.getsockname()[1]
+    stop = threading.Event()
+
+    def serve() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            conn.recv(65536)
+            conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        c = Client(f"http://127.0.0.1:{port}", "tok", timeout=5)
+        with pytest.raises(DaemonUnavailable) as e:
+            c.recycle(["/x"], op="DELETE")
+        assert "connection to the cmroot daemon lost during recycle" in str(e.value)
+        assert "rolled back" in e.value.detail
+    finally:
+        stop.set()
+        t.join(5)
+        srv.close()
+
+
+@pytest.mark.parametrize("url", ["", "localhost:9750", "ftp://x", "http://", "/v1"])
+def test_bad_url(url: str) -> None:
+    with pytest.raises(CmrootError) as e:
+        Client(url)
+    assert "URL" in e.value.message
