@@ -4,6 +4,7 @@ xxhash releases the GIL while hashing, so a thread pool hashes several files at 
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
@@ -46,30 +47,42 @@ def of_stream(f: IO[bytes]) -> str:
     return h.hexdigest()
 
 
-def of_local_file(path: str) -> str:
-    # Small files are read in one call: it halves the syscalls on the 64 KiB files
-    # that make up most tables.
+def of_local_file(path: str, private: bool = False) -> str:
+    """Hash a local file. `private` marks a file only the store writes (staged files,
+    objects): those are hashed through mmap, straight from the page cache, about twice
+    as fast as reading. Never for warehouse files: a writer truncating a mapped file
+    would kill the process with SIGBUS."""
+    # Small files are read in one call: it halves the syscalls on the 64 KiB files that
+    # make up most tables.
     with open(path, "rb", buffering=0) as f:
         head = f.read(CHUNK)
         if len(head) < CHUNK:
             return xxhash.xxh3_128_hexdigest(head)
-        h = xxhash.xxh3_128(head)
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-        return h.hexdigest()
+        if not private:
+            h = xxhash.xxh3_128(head)
+            buf = bytearray(CHUNK)
+            view = memoryview(buf)
+            while n := f.readinto(buf):
+                h.update(view[:n])
+            return h.hexdigest()
+        try:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                return xxhash.xxh3_128_hexdigest(m)
+        except (OSError, ValueError):  # a filesystem without mmap: stream it
+            f.seek(0)
+            return of_stream(f)
 
 
 def of_file(fs: Any, path: str) -> str:
     """Hash a file on any fsspec filesystem."""
-    if _is_local(fs):
+    if is_local(fs):
         return of_local_file(path)
     with fs.open(path, "rb") as f:
         return of_stream(f)
 
 
-def _is_local(fs: Any) -> bool:
+def is_local(fs: Any) -> bool:
+    """Whether an fsspec filesystem (None meaning the local one) is the local disk."""
     return fs is None or "file" in _protocols(fs)
 
 

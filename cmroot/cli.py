@@ -121,8 +121,12 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
         help="build the Spark shim and print the --conf lines that turn the hook on",
     )
-    s.add_argument("--format", choices=["submit", "defaults"], default="submit",
-                   help="`--conf k=v` lines (default) or spark-defaults.conf lines")
+    s.add_argument(
+        "--format",
+        choices=["submit", "defaults"],
+        default="submit",
+        help="`--conf k=v` lines (default) or spark-defaults.conf lines",
+    )
     s.add_argument("--fail-open", action="store_true", help="delete anyway if cmroot is down")
 
     s = sub.add_parser("token", parents=[common], help="create API tokens")

@@ -300,17 +300,17 @@ class Index:
     def recorded(self, pairs: Sequence[tuple[str, str]]) -> dict[tuple[str, str], int]:
         """Of the (path, checksum) pairs, those with an entry whose object is indexed,
         mapped to the object's size."""
+        wanted = set(pairs)
         out: dict[tuple[str, str], int] = {}
-        with self._lock:
-            cur = self._db.cursor()
-            for path, checksum in pairs:
-                row = cur.execute(
-                    "SELECT o.size FROM entries e JOIN objects o ON o.checksum = e.checksum"
-                    " WHERE e.path = ? AND e.checksum = ? LIMIT 1",
-                    (path, checksum),
-                ).fetchone()
-                if row is not None:
-                    out[(path, checksum)] = row[0]
+        for chunk in _chunks(sorted({p for p, _ in wanted})):
+            for path, checksum, size in self._query(
+                "SELECT e.path, e.checksum, o.size FROM entries e"
+                " JOIN objects o ON o.checksum = e.checksum"
+                f" WHERE e.path IN ({','.join('?' * len(chunk))})",
+                chunk,
+            ):
+                if (path, checksum) in wanted:
+                    out[(path, checksum)] = size
         return out
 
     def entries(
@@ -406,12 +406,19 @@ class Index:
             )
 
     # -- checksum cache ----------------------------------------------------------------------
-    def cached_checksum(self, path: str, size: int, mtime_ns: int) -> str | None:
-        rows = self._query(
-            "SELECT checksum FROM checksums WHERE path = ? AND size = ? AND mtime_ns = ?",
-            (path, size, mtime_ns),
-        )
-        return rows[0][0] if rows else None
+    def cached_checksums(self, files: Sequence[tuple[str, int, int]]) -> dict[str, str]:
+        """Cached checksums of the (path, size, mtime_ns) given, where both still match."""
+        wanted = {path: (size, mtime_ns) for path, size, mtime_ns in files}
+        out: dict[str, str] = {}
+        for chunk in _chunks(list(wanted)):
+            for path, size, mtime_ns, checksum in self._query(
+                "SELECT path, size, mtime_ns, checksum FROM checksums"
+                f" WHERE path IN ({','.join('?' * len(chunk))})",
+                chunk,
+            ):
+                if wanted[path] == (size, mtime_ns):
+                    out[path] = checksum
+        return out
 
     def cache_checksums(self, rows: Iterable[tuple[str, int, int, str]]) -> None:
         rows = list(rows)
@@ -420,6 +427,12 @@ class Index:
         # The cache is advisory: losing its last writes to a crash costs a re-hash.
         with self.transaction() as db:
             db.executemany("INSERT OR REPLACE INTO checksums VALUES (?, ?, ?, ?)", rows)
+
+
+def _chunks(items: list[str], size: int = 500) -> Iterator[list[str]]:
+    """Slices small enough for one `IN (...)` list of SQL parameters."""
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
 
 
 def _drop_tx(db: sqlite3.Connection, txid: str) -> None:

@@ -262,13 +262,13 @@ def test_stats_follow_inserts_upserts_and_deletes(index: Index) -> None:
 
 
 def test_checksum_cache(index: Index) -> None:
-    assert index.cached_checksum("/wh/a", 3, 1000) is None
+    assert "/wh/a" not in index.cached_checksums([("/wh/a", 3, 1000)])
     index.cache_checksums([("/wh/a", 3, 1000, c(1))])
-    assert index.cached_checksum("/wh/a", 3, 1000) == c(1)
-    assert index.cached_checksum("/wh/a", 4, 1000) is None
-    assert index.cached_checksum("/wh/a", 3, 1001) is None
+    assert index.cached_checksums([("/wh/a", 3, 1000)]) == {"/wh/a": c(1)}
+    assert "/wh/a" not in index.cached_checksums([("/wh/a", 4, 1000)])
+    assert "/wh/a" not in index.cached_checksums([("/wh/a", 3, 1001)])
     index.cache_checksums([("/wh/a", 4, 2000, c(2))])  # replaced, not added
-    assert index.cached_checksum("/wh/a", 4, 2000) == c(2)
+    assert index.cached_checksums([("/wh/a", 4, 2000)]) == {"/wh/a": c(2)}
     assert index._query("SELECT count(*) FROM checksums")[0][0] == 1
     index.cache_checksums([])
 

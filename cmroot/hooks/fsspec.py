@@ -65,8 +65,10 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
     ) -> None:
         kwargs.pop("fo", None)  # URL chaining passes the inner URL; paths come per call
         super().__init__(**kwargs)
-        self.fs: AbstractFileSystem = fs if fs is not None else filesystem(
-            target_protocol or "file", **(target_options or {})
+        self.fs: AbstractFileSystem = (
+            fs
+            if fs is not None
+            else filesystem(target_protocol or "file", **(target_options or {}))
         )
         self._local = "file" in _protocols(self.fs)
         config = None
@@ -92,23 +94,25 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
             return [cls._strip_protocol(p) for p in path]
         for prefix in ("cmroot::", "cmroot://"):
             if path.startswith(prefix):
-                path = path[len(prefix):]
+                path = path[len(prefix) :]
         if path.startswith("file://"):
-            path = path[len("file://"):]
+            path = path[len("file://") :]
         # "" (not "/") for a bare "cmroot://", so chaining takes the inner URL's path
         return path.rstrip("/") or ("/" if path else "")
 
     def _norm(self, path: str) -> str:
         """The path as the daemon names it: absolute local path, else the full URL."""
         if self._local:
-            p = path[len("file://"):] if path.startswith("file://") else path
+            p = path[len("file://") :] if path.startswith("file://") else path
             return os.path.normpath(os.path.abspath(p))
         return str(self.fs.unstrip_protocol(self.fs._strip_protocol(path))).rstrip("/")
 
     def protected(self, path: str) -> bool:
         p = self._norm(path)
-        if any(seg.startswith((".spark-staging-", ".hive-staging")) or seg == "_temporary"
-               for seg in p.split("/")):
+        if any(
+            seg.startswith((".spark-staging-", ".hive-staging")) or seg == "_temporary"
+            for seg in p.split("/")
+        ):
             return False
         return any(p == r or p.startswith(r.rstrip("/") + "/") for r in self.roots)
 
@@ -152,8 +156,9 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
             raise
 
     # -- destructive calls --------------------------------------------------------------------
-    def rm(self, path: str | list[str], recursive: bool = False,
-           maxdepth: int | None = None) -> None:
+    def rm(
+        self, path: str | list[str], recursive: bool = False, maxdepth: int | None = None
+    ) -> None:
         paths = path if isinstance(path, list) else [path]
         paths = [self._strip_protocol(p) for p in paths]
         if not recursive or maxdepth is not None:
@@ -168,8 +173,9 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         if keep and not self._recycle(keep):
             rest = keep + rest
         if rest:
-            self.fs.rm([p for p in rest if self.fs.exists(p)], recursive=recursive,
-                       maxdepth=maxdepth)
+            self.fs.rm(
+                [p for p in rest if self.fs.exists(p)], recursive=recursive, maxdepth=maxdepth
+            )
 
     def rm_file(self, path: str) -> None:
         path = self._strip_protocol(path)
@@ -183,12 +189,20 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
     def rmdir(self, path: str) -> None:
         self.fs.rmdir(self._strip_protocol(path))
 
-    def _open(self, path: str, mode: str = "rb", block_size: Any = None,
-              autocommit: bool = True, cache_options: Any = None, **kwargs: Any) -> Any:
+    def _open(
+        self,
+        path: str,
+        mode: str = "rb",
+        block_size: Any = None,
+        autocommit: bool = True,
+        cache_options: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         path = self._strip_protocol(path)
         if "r" in mode or not self.protected(path) or not self.fs.isfile(path):
-            return self.fs.open(path, mode, block_size=block_size, cache_options=cache_options,
-                                **kwargs)
+            return self.fs.open(
+                path, mode, block_size=block_size, cache_options=cache_options, **kwargs
+            )
         if "a" in mode:
             # the bytes before the append stay retrievable
             self._recycle([path], mode="copy")
@@ -209,8 +223,14 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         p1, p2 = self._strip_protocol(path1), self._strip_protocol(path2)
         self._replace(p2, lambda p: self.fs.cp_file(p1, p, **kwargs))
 
-    def mv(self, path1: str, path2: str, recursive: bool = False,
-           maxdepth: int | None = None, **kwargs: Any) -> None:
+    def mv(
+        self,
+        path1: str,
+        path2: str,
+        recursive: bool = False,
+        maxdepth: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         p1, p2 = self._strip_protocol(path1), self._strip_protocol(path2)
         if self.protected(p2) and self.fs.isfile(p2) and not self.fs.isdir(p1):
             self._replace(p2, lambda p: self.fs.mv(p1, p, **kwargs))
@@ -258,30 +278,60 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
     def created(self, path: str) -> Any:
         return self.fs.created(self._strip_protocol(path))
 
-    def cat_file(self, path: str, start: int | None = None, end: int | None = None,
-                 **kwargs: Any) -> Any:
+    def cat_file(
+        self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any
+    ) -> Any:
         return self.fs.cat_file(self._strip_protocol(path), start=start, end=end, **kwargs)
 
     def get_file(self, rpath: str, lpath: str, **kwargs: Any) -> None:
         self.fs.get_file(self._strip_protocol(rpath), lpath, **kwargs)
 
-    def find(self, path: str, maxdepth: int | None = None, withdirs: bool = False,
-             detail: bool = False, **kwargs: Any) -> Any:
-        return self.fs.find(self._strip_protocol(path), maxdepth=maxdepth, withdirs=withdirs,
-                            detail=detail, **kwargs)
+    def find(
+        self,
+        path: str,
+        maxdepth: int | None = None,
+        withdirs: bool = False,
+        detail: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        return self.fs.find(
+            self._strip_protocol(path),
+            maxdepth=maxdepth,
+            withdirs=withdirs,
+            detail=detail,
+            **kwargs,
+        )
 
-    def walk(self, path: str, maxdepth: int | None = None, topdown: bool = True,
-             on_error: str = "omit", **kwargs: Any) -> Any:
-        return self.fs.walk(self._strip_protocol(path), maxdepth=maxdepth, topdown=topdown,
-                            on_error=on_error, **kwargs)
+    def walk(
+        self,
+        path: str,
+        maxdepth: int | None = None,
+        topdown: bool = True,
+        on_error: str = "omit",
+        **kwargs: Any,
+    ) -> Any:
+        return self.fs.walk(
+            self._strip_protocol(path),
+            maxdepth=maxdepth,
+            topdown=topdown,
+            on_error=on_error,
+            **kwargs,
+        )
 
     def glob(self, path: str, maxdepth: int | None = None, **kwargs: Any) -> Any:
         return self.fs.glob(self._strip_protocol(path), maxdepth=maxdepth, **kwargs)
 
-    def du(self, path: str, total: bool = True, maxdepth: int | None = None,
-           withdirs: bool = False, **kwargs: Any) -> Any:
-        return self.fs.du(self._strip_protocol(path), total=total, maxdepth=maxdepth,
-                          withdirs=withdirs, **kwargs)
+    def du(
+        self,
+        path: str,
+        total: bool = True,
+        maxdepth: int | None = None,
+        withdirs: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        return self.fs.du(
+            self._strip_protocol(path), total=total, maxdepth=maxdepth, withdirs=withdirs, **kwargs
+        )
 
     def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
         self.fs.mkdir(self._strip_protocol(path), create_parents=create_parents, **kwargs)

@@ -29,7 +29,7 @@ from cmroot.exceptions import (
 )
 from cmroot.metrics import Metrics, StoreCollector
 from cmroot.server.auth import Tokens
-from cmroot.store import RecycleRequest, Store
+from cmroot.store import FileRef, RecycleRequest, Store
 from cmroot.store.sweep import SweepReport
 
 log = logging.getLogger("cmroot.server")
@@ -111,6 +111,27 @@ class Service:
             while len(self._verified) > VERIFIED_CACHE:
                 self._verified.popitem(last=False)
 
+    def fetch(self, path: str, checksum: str, inline: bool) -> tuple[FileRef, bytes | None]:
+        """Find the bytes of (path, checksum), verified (invariant 3), in one worker call.
+        A small local file is read and hashed here when `inline`: serving it from memory
+        costs far less than a sendfile round trip; anything else is left to sendfile."""
+        ref = self.store.locate(path, checksum)
+        if inline and cks.is_local(ref.fs) and ref.size <= INLINE_MAX:
+            try:
+                with open(ref.path, "rb") as f:
+                    data = f.read(INLINE_MAX + 1)
+            except FileNotFoundError:  # swept or replaced since it was located
+                raise NotFound("no such file", f"{path} with checksum {checksum} is gone") from None
+            if cks.of_bytes(data) != checksum:
+                raise ChecksumMismatch(
+                    "stored object is corrupt" if ref.status == "cmroot" else "original changed",
+                    f"{ref.path} no longer hashes to {checksum}; not served",
+                )
+            return ref, data
+        if ref.status == "cmroot":
+            self.verify_object(checksum, ref.path)
+        return ref, None
+
     def ready(self) -> None:
         """Raise unless the index answers and the store root is writable."""
         self.store.index.current_event_id()
@@ -123,6 +144,25 @@ class Service:
 
 
 SERVICE = web.AppKey("service", Service)
+INLINE_MAX = 1 << 20  # files up to this size are served from memory, hashed as read
+# Requests aiohttp's FileResponse answers specially (ranges, conditionals): not inlined.
+_CONDITIONAL_HEADERS = (
+    hdrs.RANGE,
+    hdrs.IF_MATCH,
+    hdrs.IF_NONE_MATCH,
+    hdrs.IF_MODIFIED_SINCE,
+    hdrs.IF_UNMODIFIED_SINCE,
+    hdrs.IF_RANGE,
+)
+
+
+def _file_headers(checksum: str, status: str) -> dict[str, str]:
+    return {
+        hdrs.CONTENT_TYPE: "application/octet-stream",
+        hdrs.ETAG: f'"{checksum}"',
+        hdrs.ACCEPT_RANGES: "bytes",
+        "X-Cmroot-Status": status,
+    }
 
 
 def create_app(service: Service, max_body: int) -> web.Application:
@@ -288,10 +328,7 @@ class _ObjectFile(web.FileResponse):
         super().__init__(
             path,
             chunk_size=1 << 18,
-            headers={
-                hdrs.CONTENT_TYPE: "application/octet-stream",
-                "X-Cmroot-Status": status,
-            },
+            headers=_file_headers(checksum, status),
         )
         self._checksum = checksum
 
@@ -321,19 +358,15 @@ async def files(request: web.Request) -> web.StreamResponse:
     path, checksum = request.query.get("path"), request.query.get("checksum")
     if path is None or checksum is None:
         raise BadRequest("missing query parameter", "give ?path=...&checksum=...")
-    # Check the one pair here: Store.locate folds every refusal into resolve's batch-style
-    # 400 "bad pair #0", but for a single file a path outside the roots is a 403.
-    cks.validate(checksum)
-    await svc.run(svc.store.warehouse.locate, path)
-    ref = await svc.run(svc.store.locate, path, checksum)
-    if ref.status == "cmroot":
-        # Invariant 3: an object whose bytes changed on disk is never served (the
-        # middleware reports and counts the ChecksumMismatch).
-        await svc.run(svc.verify_object, checksum, ref.path)
-    if ref.fs is None or "file" in (
-        ref.fs.protocol if isinstance(ref.fs.protocol, tuple) else (ref.fs.protocol,)
-    ):
-        resp: web.StreamResponse = _ObjectFile(ref.path, checksum, ref.status)
+    inline = request.method == hdrs.METH_GET and not any(
+        h in request.headers for h in _CONDITIONAL_HEADERS
+    )
+    ref, body = await svc.run(svc.fetch, path, checksum, inline)
+    if body is not None:
+        headers = _file_headers(checksum, ref.status)
+        resp: web.StreamResponse = web.Response(body=body, headers=headers)
+    elif cks.is_local(ref.fs):
+        resp = _ObjectFile(ref.path, checksum, ref.status)
         await resp.prepare(request)
     else:
         resp = await _stream_remote(request, svc, ref.fs, ref.path, ref.size, checksum, ref.status)
@@ -346,13 +379,9 @@ async def _stream_remote(
     request: web.Request, svc: Service, fs: Any, path: str, size: int, checksum: str, status: str
 ) -> web.StreamResponse:
     """An original on another filesystem: streamed through, whole (no Range)."""
-    resp = web.StreamResponse(
-        headers={
-            hdrs.CONTENT_TYPE: "application/octet-stream",
-            hdrs.ETAG: f'"{checksum}"',
-            "X-Cmroot-Status": status,
-        }
-    )
+    headers = _file_headers(checksum, status)
+    del headers[hdrs.ACCEPT_RANGES]
+    resp = web.StreamResponse(headers=headers)
     resp.content_length = size
     await resp.prepare(request)
     if request.method == hdrs.METH_HEAD:

@@ -161,7 +161,8 @@ class Store:
     def locate(self, path: object, checksum: object) -> FileRef:
         """The verified bytes for (path, checksum): the original if it still hashes to the
         checksum, else the store's object if an entry records that pair."""
-        [(loc, c)] = parse_pairs(self.warehouse, [{"path": path, "checksum": checksum}])
+        c = cks.validate(checksum)
+        loc = self.warehouse.locate(path)
         self.warehouse.confirm(loc)
         original = self.resolver.original(loc)
         if original is not None and self.resolver.checksums([original])[loc.key] == c:
@@ -178,7 +179,7 @@ class Store:
 
     def verify_object(self, checksum: str) -> None:
         """Re-hash a stored object; raise ChecksumMismatch if its bytes changed on disk."""
-        if cks.of_local_file(self.layout.object_path(checksum)) != checksum:
+        if cks.of_local_file(self.layout.object_path(checksum), private=True) != checksum:
             raise ChecksumMismatch(
                 "stored object is corrupt", f"object {checksum}: run cmroot fsck"
             )

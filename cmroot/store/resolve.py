@@ -95,18 +95,10 @@ class Resolver:
 
     def checksums(self, originals: list[_Original]) -> dict[str, str]:
         """Checksums of existing originals: from the cache when size and mtime match."""
-        sums: dict[str, str] = {}
-        todo = []
-        for o in originals:
-            hit = (
-                self.index.cached_checksum(o.loc.key, o.size, o.mtime_ns)
-                if o.mtime_ns is not None
-                else None
-            )
-            if hit is not None:
-                sums[o.loc.key] = hit
-            else:
-                todo.append(o)
+        sums = self.index.cached_checksums(
+            [(o.loc.key, o.size, o.mtime_ns) for o in originals if o.mtime_ns is not None]
+        )
+        todo = [o for o in originals if o.loc.key not in sums]
         if todo:
             with ThreadPoolExecutor(self.workers) as pool:
                 fresh = list(pool.map(lambda o: cks.of_file(o.loc.root.fs, o.loc.path), todo))
@@ -125,6 +117,8 @@ class Resolver:
 
 
 def _stat(loc: Located) -> _Original | None:
+    if loc.statted:
+        return _Original(loc, loc.st.st_size, loc.st.st_mtime_ns) if loc.st else None
     if loc.local:
         try:
             st = os.stat(loc.key)

@@ -12,7 +12,7 @@ import posixpath
 import stat
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
@@ -42,6 +42,11 @@ class Located:
     key: str
     root: Root
     path: str
+    # lstat of a local regular file, taken while confining it, so resolve need not stat
+    # it again; None when missing, a symlink or not local.
+    st: os.stat_result | None = field(default=None, compare=False)
+    # True when `st` is the whole answer: None then means no regular file is there.
+    statted: bool = field(default=False, compare=False)
 
     @property
     def local(self) -> bool:
@@ -69,10 +74,11 @@ class Warehouse:
                 self.roots.append(Root(url.rstrip("/"), fs, path.rstrip("/"), False, ""))
         self._real_dirs: dict[str, tuple[float, str]] = {}
 
-    def _realpath(self, path: str) -> str:
+    def _realpath(self, path: str) -> tuple[str, os.stat_result | None, bool]:
         """realpath(), with the parent directory's answer cached for a second: a batch of
         thousands of files in a few partitions costs one lstat per file, not one per
-        path component."""
+        path component. Also returns that lstat when it found a regular file, and whether
+        that lstat settles what is there (it does unless the name is a symlink)."""
         parent, _, name = path.rpartition("/")
         now = time.monotonic()
         hit = self._real_dirs.get(parent)
@@ -81,8 +87,14 @@ class Warehouse:
                 self._real_dirs.clear()
             hit = (now, os.path.realpath(parent or "/"))
             self._real_dirs[parent] = hit
-        joined = os.path.join(hit[1], name)
-        return os.path.realpath(joined) if os.path.islink(joined) else joined
+        joined = f"{hit[1].rstrip('/')}/{name}"
+        try:
+            st = os.lstat(joined)
+        except OSError:  # missing, or a name the filesystem refuses: nothing to follow
+            return joined, None, True
+        if stat.S_ISLNK(st.st_mode):
+            return os.path.realpath(joined), None, False
+        return joined, st if stat.S_ISREG(st.st_mode) else None, True
 
     def locate(self, raw: object) -> Located:
         """Canonicalise and confine one request path (it need not exist)."""
@@ -101,17 +113,19 @@ class Warehouse:
             if not lp.startswith("/"):
                 raise BadRequest("bad path", f"{raw!r} is relative: give an absolute path")
             key = _normalise(lp, raw)
-            if any(len(s.encode()) > NAME_MAX for s in key.split("/")):
+            if len(key.encode()) > NAME_MAX and any(
+                len(s.encode()) > NAME_MAX for s in key.split("/")
+            ):
                 raise BadRequest("bad path", f"{raw[:200]!r} has a name over {NAME_MAX} bytes")
             for root in self.roots:
                 if root.local and _under(key, root.url):
-                    real = self._realpath(key)
+                    real, st, statted = self._realpath(key)
                     if not any(r.local and _under(real, r.real) for r in self.roots):
                         raise OutsideRoots(
                             "path escapes the warehouse roots",
                             f"{raw!r} resolves through a symlink to {real!r}",
                         )
-                    return Located(key, root, key)
+                    return Located(key, root, key, st, statted)
             raise OutsideRoots(
                 "path outside the warehouse roots", f"{raw!r} is not under {self._names()}"
             )
