@@ -372,11 +372,25 @@ class Index:
         last_expires, last_checksum = after or (float("-inf"), "")
         rows = self._query(
             "SELECT checksum, size, created, expires, keep FROM objects"
-            " WHERE expires <= ? AND (expires > ? OR (expires = ? AND checksum > ?))"
+            " WHERE expires <= ? AND (expires, checksum) > (?, ?)"
             " ORDER BY expires, checksum LIMIT ?",
-            (now, last_expires, last_expires, last_checksum, limit),
+            (now, last_expires, last_checksum, limit),
         )
         return [_object(r) for r in rows]
+
+    def still_expired(self, checksums: list[str], now: float) -> set[str]:
+        """Of these objects, those still indexed and expired at `now`."""
+        out: set[str] = set()
+        for chunk in _chunks(checksums):
+            out.update(
+                r[0]
+                for r in self._query(
+                    f"SELECT checksum FROM objects WHERE checksum IN ({','.join('?' * len(chunk))})"
+                    " AND expires <= ?",
+                    [*chunk, now],
+                )
+            )
+        return out
 
     def forget_expired(self, checksums: Sequence[str], now: float) -> None:
         """Drop objects still expired at `now`, with their entries. An object recycled again

@@ -14,7 +14,6 @@ import ctypes.util
 import errno
 import fcntl
 import os
-import threading
 
 from cmroot.exceptions import StoreLocked
 
@@ -28,22 +27,16 @@ class Layout:
         self.staging = os.path.join(root, "staging")
         self.trash = os.path.join(root, "trash")
         self.quarantine = os.path.join(root, "quarantine")
-        self._shards: set[str] = set()
-        self._shard_lock = threading.Lock()
         for d in (root, self.objects, self.staging):
             os.makedirs(d, exist_ok=True)
 
     def object_path(self, checksum: str) -> str:
         return f"{self.objects}/{checksum[:2]}/{checksum[2:4]}/{checksum}"
 
-    def shard_for(self, checksum: str) -> str:
-        """The object's directory, created on the shard's first use only."""
-        shard = os.path.join(self.objects, checksum[:2], checksum[2:4])
-        if shard not in self._shards:
-            with self._shard_lock:
-                os.makedirs(shard, exist_ok=True)
-                self._shards.add(shard)
-        return shard
+    def make_shard(self, checksum: str) -> None:
+        """Create the object's directory. Callers try their link first and call this only
+        when the directory is missing, so a shard is created on its first use, once."""
+        os.makedirs(f"{self.objects}/{checksum[:2]}/{checksum[2:4]}", exist_ok=True)
 
     def tx_dir(self, txid: str) -> str:
         return os.path.join(self.staging, txid)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Sequence
 
 from cmroot.exceptions import Conflict
-from cmroot.index import Index
+from cmroot.index import Index, StoredObject
 from cmroot.store.layout import Layout, same_bytes
 
 
@@ -27,13 +28,17 @@ class Objects:
     def publish(self, txid: str, checksum: str, staged: str) -> bool:
         """Make `staged` available as object `checksum`; True if this created the object.
         The staged name stays (it is the journal's handle) until the recycle ends."""
-        obj = os.path.join(self.layout.shard_for(checksum), checksum)
+        obj = self.layout.object_path(checksum)
         with self._lock:
             self._claims.setdefault(checksum, set()).add(txid)
             try:
                 # A hard link publishes atomically and, unlike rename, never replaces
                 # an object that is already there.
-                os.link(staged, obj)
+                try:
+                    os.link(staged, obj)
+                except FileNotFoundError:  # the shard's first object
+                    self.layout.make_shard(checksum)
+                    os.link(staged, obj)
                 return True
             except FileExistsError:
                 pass
@@ -61,26 +66,37 @@ class Objects:
                 except FileNotFoundError:
                     pass
 
-    def remove_expired(self, checksum: str, now: float, trash: bool) -> str | None:
-        """Delete or trash an expired object; None if it is claimed or no longer expired."""
+    def remove_expired(
+        self, objs: Sequence[StoredObject], now: float, trash: bool
+    ) -> list[tuple[StoredObject, str | None]]:
+        """Delete (or, when `trash` and the object was not purged, trash) expired objects.
+        Each comes back with "deleted", "trashed", None if it is claimed or was recycled
+        again since it was picked, or the error that kept it."""
+        out: list[tuple[StoredObject, str | None]] = []
         with self._lock:
-            if checksum in self._claims:
-                return None
-            obj = self.index.get_object(checksum)
-            if obj is not None and obj.expires > now:
-                return None
-            path = self.layout.object_path(checksum)
-            try:
-                if trash:
-                    day = time.strftime("%Y-%m-%d", time.gmtime(now))
-                    dest = os.path.join(self.layout.trash, day, checksum[:2])
-                    os.makedirs(dest, exist_ok=True)
-                    os.rename(path, os.path.join(dest, checksum))
-                    return "trashed"
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            return "deleted"
+            free = [o for o in objs if o.checksum not in self._claims]
+            expired = self.index.still_expired([o.checksum for o in free], now)
+            for o in objs:
+                if o.checksum not in expired:
+                    out.append((o, None))
+                    continue
+                path = self.layout.object_path(o.checksum)
+                try:
+                    if trash and o.keep:
+                        day = time.strftime("%Y-%m-%d", time.gmtime(now))
+                        dest = os.path.join(self.layout.trash, day, o.checksum[:2])
+                        os.makedirs(dest, exist_ok=True)
+                        os.rename(path, os.path.join(dest, o.checksum))
+                        out.append((o, "trashed"))
+                        continue
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    out.append((o, f"{e.strerror or e}: {e.filename or path}"))
+                    continue
+                out.append((o, "deleted"))
+        return out
 
     def claimed(self, checksum: str) -> bool:
         with self._lock:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,39 +53,27 @@ def sweep(
     started = time.monotonic()
     report = SweepReport(dry_run, now)
     after: tuple[float, str] | None = None
-    with ThreadPoolExecutor(2) as pool:
-        while page := index.expired(now, BATCH, after):
-            after = (page[-1].expires, page[-1].checksum)
-            if dry_run:
-                for o in page:
-                    if objects.claimed(o.checksum):
-                        report.skipped += 1
-                    else:
-                        report.removed.append(_row(o, "trash" if trash and o.keep else "delete"))
-                continue
-
-            def remove(o: StoredObject) -> tuple[StoredObject, str | None, str | None]:
-                try:
-                    return o, objects.remove_expired(o.checksum, now, trash and o.keep), None
-                except OSError as e:
-                    return (
-                        o,
-                        None,
-                        f"{e.strerror or e}: {e.filename or o.checksum}",
-                    )
-
-            gone = []
-            for o, action, error in pool.map(remove, page):
-                if error is not None:
-                    report.failed.append({"checksum": o.checksum, "error": error})
-                elif action is None:
+    while page := index.expired(now, BATCH, after):
+        after = (page[-1].expires, page[-1].checksum)
+        if dry_run:
+            for o in page:
+                if objects.claimed(o.checksum):
                     report.skipped += 1
                 else:
-                    report.removed.append(_row(o, action))
-                    gone.append(o.checksum)
-            index.forget_expired(gone, now)
-            if progress:
-                progress(len(report.removed))
+                    report.removed.append(_row(o, "trashed" if trash and o.keep else "deleted"))
+            continue
+        gone = []
+        for o, outcome in objects.remove_expired(page, now, trash):
+            if outcome is None:
+                report.skipped += 1
+            elif outcome in ("deleted", "trashed"):
+                report.removed.append(_row(o, outcome))
+                gone.append(o.checksum)
+            else:
+                report.failed.append({"checksum": o.checksum, "error": outcome})
+        index.forget_expired(gone, now)
+        if progress:
+            progress(len(report.removed))
     report.duration = time.monotonic() - started
     return report
 

@@ -144,7 +144,7 @@ def test_dry_run_removes_nothing_and_reports_what_it_would(env, store: Store, cl
     r = store.gc(dry_run=True)
     assert r.dry_run
     assert removed(r) == checksums(files)
-    assert {x["action"] for x in r.removed} == {"delete"}
+    assert {x["action"] for x in r.removed} == {"deleted"}
     assert r.removed_bytes == sum(len(b) for b in files.values())
     assert object_files(env) == before_objects
     assert index_counts(env) == before_counts
@@ -161,8 +161,8 @@ def test_trash_mode_moves_expired_objects_and_deletes_purged_ones(env, clock) ->
     clock.advance(DAY)
     r = store.gc(dry_run=True)
     assert {x["checksum"]: x["action"] for x in r.removed} == {
-        **dict.fromkeys(checksums(kept), "trash"),
-        **dict.fromkeys(checksums(purged), "delete"),
+        **dict.fromkeys(checksums(kept), "trashed"),
+        **dict.fromkeys(checksums(purged), "deleted"),
     }
     r = store.gc()
     actions = {x["checksum"]: x["action"] for x in r.removed}
