@@ -119,7 +119,7 @@ class Service:
         if inline and cks.is_local(ref.fs) and ref.size <= INLINE_MAX:
             try:
                 with open(ref.path, "rb") as f:
-                    data = f.read(INLINE_MAX + 1)
+                    data = f.read(ref.size + 1)
             except FileNotFoundError:  # swept or replaced since it was located
                 raise NotFound("no such file", f"{path} with checksum {checksum} is gone") from None
             if cks.of_bytes(data) != checksum:

@@ -83,8 +83,10 @@ def fsync_dir(path: str) -> None:
 
 def same_bytes(a: str, b: str, chunk: int = 1 << 20) -> bool:
     """Compare two local files byte for byte (the guard against hash collisions)."""
-    if os.path.getsize(a) != os.path.getsize(b):
+    size = os.path.getsize(a)
+    if size != os.path.getsize(b):
         return False
+    chunk = min(chunk, size + 1)
     with open(a, "rb") as fa, open(b, "rb") as fb:
         while True:
             x, y = fa.read(chunk), fb.read(chunk)
