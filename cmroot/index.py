@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+CACHE_KIB = 64 * 1024
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS objects (
     checksum TEXT PRIMARY KEY,
@@ -190,6 +192,10 @@ class Index:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA busy_timeout=30000")
+        # Entry inserts land at random places in the checksum and path indexes; with
+        # SQLite's 2 MiB default cache a 10,000-file commit slowed as the index grew
+        # (0.13 s -> 0.25 s by 40,000 entries). 64 MiB keeps it flat at that size.
+        self._db.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
         self._db.executescript(SCHEMA)
 
     def close(self) -> None:
