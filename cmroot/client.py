@@ -144,7 +144,7 @@ class Client:
         headers: dict[str, str] | None = None,
         retry: bool = False,
     ) -> http.client.HTTPResponse:
-        payload = json.dumps(body).encode() if body is not None else None
+        payload = json.dumps(body, separators=(",", ":")).encode() if body is not None else None
         hdrs = {"Accept": "application/json", **(headers or {})}
         if payload is not None:
             hdrs["Content-Type"] = "application/json"
