@@ -37,6 +37,11 @@ def serve(config: cfg.Config, host: str | None = None, port: int | None = None) 
         port=config.server.port if port is None else port,
     )
     config = replace(config, server=server)
+    if not config.store.enabled:
+        raise ConfigError(
+            f"change management is disabled in {config.source}",
+            "store.enabled (hive.repl.cm.enabled) is false: set it to true to run the daemon",
+        )
     tokens = Tokens(config.auth.tokens)
     if not tokens.enabled and not _is_loopback(server.host):
         raise ConfigError(

@@ -179,3 +179,27 @@ def test_loopback_without_tokens_serves_openly(make_daemon: MakeDaemon) -> None:
     d = make_daemon(auth=False)
     assert d.request("GET", "/v1/events/current", scope=None).status == 200
     assert d.stop() == 0
+
+
+def test_disabled_change_management_refuses_to_start(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    site = tmp_path / "hive-site.xml"
+    site.write_text(
+        "<configuration>"
+        f"<property><name>hive.repl.cmrootdir</name><value>{tmp_path / 'cm'}</value></property>"
+        "<property><name>hive.metastore.warehouse.dir</name>"
+        f"<value>{tmp_path / 'wh'}</value></property>"
+        "<property><name>hive.repl.cm.enabled</name><value>false</value></property>"
+        "</configuration>"
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "cmroot.cli", "serve", "--config", str(site), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode != 0
+    assert "change management is disabled" in r.stderr and "hive.repl.cm.enabled" in r.stderr
+    assert not (tmp_path / "cm").exists()
