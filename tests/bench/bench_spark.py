@@ -62,15 +62,14 @@ def log(msg: str) -> None:
 
 def make_master(d: Path, scale: Scale) -> Path:
     """N distinct parquet files, written once with pyarrow, copied into each table."""
-    import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     master = d / "master"
     master.mkdir(parents=True)
-    rng = np.random.default_rng(7)
     for i in range(scale.files):
-        ids = rng.integers(0, 2**62, scale.rows_per_file, dtype=np.int64)
+        n = scale.rows_per_file
+        ids = pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(os.urandom(8 * n))])
         pq.write_table(pa.table({"id": ids}), master / f"part-{i:05d}.parquet",
                        compression="none")
     return master

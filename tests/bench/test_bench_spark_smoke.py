@@ -15,7 +15,6 @@ pytestmark = [pytest.mark.bench, pytest.mark.timeout(600)]
 
 def test_bench_spark_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("pyspark")
-    pytest.importorskip("numpy")
     if not shutil.which("javac"):
         pytest.skip("javac (a JDK) is needed to build the Spark shim")
     assert bench_spark.main(["--scale", "smoke"]) == 0
