@@ -28,7 +28,6 @@ Progress goes to stderr, the table to stdout.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib
 import os
@@ -37,7 +36,6 @@ import statistics
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -50,9 +48,23 @@ from cmroot import checksum as cks
 from cmroot.config import Config, load
 from cmroot.store import RecycleRequest, Store
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
+from .harness import (
+    TABLE_HEADER,
+    BenchError,
+    GiB,
+    KiB,
+    Medians,
+    MiB,
+    alternate,
+    arg_parser,
+    check_names,
+    human_size,
+    log,
+    make_work_dir,
+    parse_args,
+    sync,
+)
+
 # A fixed, fake "now" for the sweep's store: objects are recycled at T0 and swept after
 # T0 + retain, so no one waits a day and nothing depends on the wall clock.
 T0 = 1_700_000_000.0
@@ -64,10 +76,6 @@ CACHE_NOTE = (
     "page cache: warm on both sides (each side's files are read once with `cat > /dev/null` "
     "right before its timed run); `sync` runs before each timed side"
 )
-
-
-class BenchError(RuntimeError):
-    """The benchmark cannot run or produced a wrong result (not a slow one)."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +112,7 @@ SCALES = {
 
 
 @dataclass
-class Row:
+class Row(Medians):
     name: str
     label: str
     baseline_label: str
@@ -116,37 +124,11 @@ class Row:
     load: list[float] = field(default_factory=list)
 
     @property
-    def cmroot_median(self) -> float:
-        return statistics.median(self.cmroot)
-
-    @property
-    def baseline_median(self) -> float:
-        return statistics.median(self.baseline)
-
-    @property
-    def ratio(self) -> float:
-        return self.cmroot_median / self.baseline_median
-
-    @property
     def met(self) -> bool:
         return self.goal is None or self.ratio <= self.goal
 
 
 # -- small helpers ----------------------------------------------------------------------------
-_started = time.monotonic()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.monotonic() - _started:7.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
-def human_size(n: int) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
-    return f"{n} B"
-
-
 def fmt_seconds(t: float) -> str:
     return f"{t:.2f} s" if t >= 0.1 else f"{t * 1000:.1f} ms"
 
@@ -162,10 +144,6 @@ def run(cmd: str | Sequence[str], **kw: Any) -> subprocess.CompletedProcess[byte
     if p.returncode != 0:
         raise BenchError(f"{cmd!r} failed ({p.returncode}): {p.stderr.decode(errors='replace')}")
     return p
-
-
-def sync() -> None:
-    os.sync()
 
 
 def copy_tree(src: Path, dst: Path) -> None:
@@ -338,13 +316,6 @@ def xxhsum_checksums(output: bytes) -> list[str]:
 
 
 # -- benchmarks ----------------------------------------------------------------------------------
-def alternate(rep: int, cmroot_side: Callable[[], None], baseline_side: Callable[[], None]) -> None:
-    """Run both sides, swapping who goes first on every other repetition, so neither side
-    always inherits the other's aftermath."""
-    for side in (cmroot_side, baseline_side) if rep % 2 == 0 else (baseline_side, cmroot_side):
-        side()
-
-
 def recycle_cmroot(row: Row, rep: int, cfg: Config, table: Path, files: int, phases: bool,
                    sums: list[str]) -> None:
     with Store.open(cfg) as store, recycle_phases(store, phases) as ph:
@@ -418,11 +389,10 @@ def bench_recycle(
         cfg = store_config(d / "store", warehouse)
         cm_sums: list[str] = []
         base_sums: list[str] = []
-        alternate(
-            rep,
+        alternate(rep, [
             functools.partial(recycle_cmroot, row, rep, cfg, table, files, phases, cm_sums),
             functools.partial(recycle_baseline, row, rep, base_src, base_dest, files, base_sums),
-        )
+        ])
         if cm_sums != base_sums:
             raise BenchError("cmroot's checksums differ from xxhsum -H2's on identical files")
         shutil.rmtree(d)
@@ -501,11 +471,10 @@ def bench_sweep(
         copy_tree(master, d / "store")
         copy_tree(master / "objects", d / "baseline-objects")
         cfg = store_config(d / "store", warehouse)
-        alternate(
-            rep,
+        alternate(rep, [
             functools.partial(sweep_cmroot, row, rep, cfg, objects, phases),
             functools.partial(sweep_baseline, row, rep, d / "baseline-objects"),
-        )
+        ])
         shutil.rmtree(d)
     shutil.rmtree(master)
     shutil.rmtree(warehouse)
@@ -523,22 +492,8 @@ def run_benchmarks(
     s = SCALES[scale]
     reps = reps or s.reps
     names = list(only or BENCHMARKS)
-    unknown = set(names) - set(BENCHMARKS)
-    if unknown:
-        raise BenchError(
-            f"unknown benchmark(s) {', '.join(sorted(unknown))}: use {', '.join(BENCHMARKS)}"
-        )
-    if directory is not None:
-        os.makedirs(directory, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="cmroot-benchcore-", dir=directory))
-    free = shutil.disk_usage(work).free
-    if free < s.disk_needed:
-        shutil.rmtree(work)
-        raise BenchError(
-            f"{work} has {free / GiB:.1f} GiB free; the {scale} scale needs about "
-            f"{s.disk_needed / GiB:.1f} GiB: pass --dir on a bigger filesystem"
-        )
-    log(f"working in {work} (scale {scale}, {reps} rep(s), {os.cpu_count()} CPUs)")
+    check_names(names, BENCHMARKS)
+    work = make_work_dir("cmroot-benchcore-", directory, scale, reps, s.disk_needed)
     rows: list[Row] = []
     try:
         for name in names:
@@ -582,10 +537,7 @@ def run_benchmarks(
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    lines = [
-        "| benchmark | cmroot | baseline | ratio | goal |",
-        "|---|---|---|---|---|",
-    ]
+    lines = list(TABLE_HEADER)
     for r in rows:
         verdict = "" if r.goal is None else " (met)" if r.met else " (MISSED)"
         lines.append(
@@ -642,22 +594,14 @@ def format_phases(rows: Sequence[Row], reps: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m tests.bench.bench_core",
-        description="cmroot core store benchmarks, each against a shell baseline run alongside.",
+    ap = arg_parser(
+        "python -m tests.bench.bench_core",
+        "cmroot core store benchmarks, each against a shell baseline run alongside.",
+        SCALES, BENCHMARKS, "repetitions per side (default: 3 full, 1 smoke)",
     )
-    ap.add_argument("--scale", choices=sorted(SCALES), default="full",
-                    help="full: the reference sizes (several minutes); smoke: tiny, seconds")
-    ap.add_argument("--dir", help="where to create the scratch directory (default: $TMPDIR)")
-    ap.add_argument("--reps", type=int, help="repetitions per side (default: 3 full, 1 smoke)")
-    ap.add_argument("--only", help=f"comma-separated subset of {','.join(BENCHMARKS)}")
     ap.add_argument("--phases", action="store_true",
                     help="also time cmroot's internal phases (adds a little overhead)")
-    args = ap.parse_args(argv)
-    if args.reps is not None and args.reps < 1:
-        ap.error("--reps must be at least 1")
-    reps = args.reps or SCALES[args.scale].reps
-    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
+    args, reps, only = parse_args(ap, argv, SCALES)
     try:
         rows = run_benchmarks(args.scale, args.dir, reps, only, args.phases)
     except BenchError as e:

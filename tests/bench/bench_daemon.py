@@ -35,7 +35,6 @@ stderr, the table to stdout.
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
@@ -46,9 +45,8 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,9 +60,23 @@ from cmroot.config import Config, load
 from cmroot.index import Entry, Event, Index
 from cmroot.store import RecycleRequest, Store
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
+from .harness import (
+    TABLE_HEADER,
+    BenchError,
+    GiB,
+    KiB,
+    Medians,
+    MiB,
+    alternate,
+    arg_parser,
+    check_names,
+    human_size,
+    log,
+    make_work_dir,
+    parse_args,
+    sync,
+)
+
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = ("get-large", "get-small", "resolve", "recycle", "rss")
 NGINX = "/usr/sbin/nginx"
@@ -72,10 +84,6 @@ HINTS = {
     "nginx": "nginx not found: install the Debian/Ubuntu package `nginx` (apt-get install nginx)",
     "wrk": "wrk not found: install the Debian/Ubuntu package `wrk` (apt-get install wrk)",
 }
-
-
-class BenchError(RuntimeError):
-    """The benchmark cannot run or produced a wrong result (not a slow one)."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +130,7 @@ SCALES = {
 
 
 @dataclass
-class Row:
+class Row(Medians):
     """One benchmark: cmroot's figures and the baseline's, one per repetition.
 
     `higher` says whether a bigger number is better (throughput) or worse (time, memory).
@@ -141,38 +149,12 @@ class Row:
     notes: list[str] = field(default_factory=list)
 
     @property
-    def cmroot_median(self) -> float:
-        return statistics.median(self.cmroot)
-
-    @property
-    def baseline_median(self) -> float:
-        return statistics.median(self.baseline)
-
-    @property
-    def ratio(self) -> float:
-        return self.cmroot_median / self.baseline_median
-
-    @property
     def met(self) -> bool:
         value = self.ratio if self.goal_kind == "ratio" else self.cmroot_median
         return value >= self.goal if self.higher else value <= self.goal
 
 
 # -- small helpers ----------------------------------------------------------------------------
-_started = time.monotonic()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.monotonic() - _started:7.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
-def human_size(n: int) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
-    return f"{n} B"
-
-
 def fmt_value(v: float, unit: str) -> str:
     if unit == "s":
         return f"{v:.2f} s" if v >= 0.1 else f"{v * 1000:.1f} ms"
@@ -188,10 +170,6 @@ def run(cmd: Sequence[str], **kw: Any) -> subprocess.CompletedProcess[bytes]:
             f"{' '.join(cmd)!r} failed ({p.returncode}): {p.stderr.decode(errors='replace')}"
         )
     return p
-
-
-def sync() -> None:
-    os.sync()
 
 
 def warm(path: Path) -> None:
@@ -534,12 +512,6 @@ def run_wrk(
     if nbytes <= 0 or dur <= 0:
         raise BenchError(f"wrk on port {port} received nothing: {out[-1000:]}")
     return WrkResult(dur / 1e6, reqs, nbytes, cpu)
-
-
-def alternate(rep: int, sides: Sequence[Callable[[], None]]) -> None:
-    """Run both sides, swapping who goes first on every other repetition."""
-    for side in sides if rep % 2 == 0 else list(reversed(sides)):
-        side()
 
 
 # -- benchmarks -------------------------------------------------------------------------------
@@ -938,22 +910,8 @@ def run_benchmarks(
     s = SCALES[scale]
     reps = reps or s.reps
     names = list(only or BENCHMARKS)
-    unknown = set(names) - set(BENCHMARKS)
-    if unknown:
-        raise BenchError(
-            f"unknown benchmark(s) {', '.join(sorted(unknown))}: use {', '.join(BENCHMARKS)}"
-        )
-    if directory is not None:
-        os.makedirs(directory, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="cmroot-bench-daemon-", dir=directory))
-    free = shutil.disk_usage(work).free
-    if free < s.disk_needed:
-        shutil.rmtree(work)
-        raise BenchError(
-            f"{work} has {free / GiB:.1f} GiB free; the {scale} scale needs about "
-            f"{s.disk_needed / GiB:.1f} GiB: pass --dir on a bigger filesystem"
-        )
-    log(f"working in {work} (scale {scale}, {reps} rep(s), {os.cpu_count()} CPUs)")
+    check_names(names, BENCHMARKS)
+    work = make_work_dir("cmroot-bench-daemon-", directory, scale, reps, s.disk_needed)
     load_start = os.getloadavg()[0]
     all_rows = make_rows(s)
     rows: dict[str, Row] = {}
@@ -1021,10 +979,7 @@ def machine_note(load_start: float) -> str:
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    lines = [
-        "| benchmark | cmroot | baseline | ratio | goal |",
-        "|---|---|---|---|---|",
-    ]
+    lines = list(TABLE_HEADER)
     for r in rows:
         verdict = "met" if r.met else "MISSED"
         lines.append(
@@ -1051,21 +1006,12 @@ def format_notes(rows: Sequence[Row], reps: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m tests.bench.bench_daemon",
-        description="cmroot daemon benchmarks, each against a baseline run alongside.",
+    ap = arg_parser(
+        "python -m tests.bench.bench_daemon",
+        "cmroot daemon benchmarks, each against a baseline run alongside.",
+        SCALES, BENCHMARKS, "repetitions per side (default: 3 full, 1 smoke; rss runs once)",
     )
-    ap.add_argument("--scale", choices=sorted(SCALES), default="full",
-                    help="full: the reference sizes (several minutes); smoke: tiny, seconds")
-    ap.add_argument("--dir", help="where to create the scratch directory (default: $TMPDIR)")
-    ap.add_argument("--reps", type=int,
-                    help="repetitions per side (default: 3 full, 1 smoke; rss runs once)")
-    ap.add_argument("--only", help=f"comma-separated subset of {','.join(BENCHMARKS)}")
-    args = ap.parse_args(argv)
-    if args.reps is not None and args.reps < 1:
-        ap.error("--reps must be at least 1")
-    reps = args.reps or SCALES[args.scale].reps
-    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
+    args, reps, only = parse_args(ap, argv, SCALES)
     try:
         rows = run_benchmarks(args.scale, args.dir, reps, only)
     except BenchError as e:

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.bench.harness import log
+
 REPO = Path(__file__).resolve().parents[2]
 GOAL = 1.5
 OPS = ("drop", "overwrite")
@@ -52,13 +54,6 @@ SCALES = {
     "full": Scale(files=2000, rows_per_file=8192, reps=5),
     "smoke": Scale(files=40, rows_per_file=64, reps=1),
 }
-
-_t0 = time.monotonic()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.monotonic() - _t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
-
 
 def make_master(d: Path, scale: Scale) -> Path:
     """N distinct parquet files, written once with pyarrow, copied into each table."""
