@@ -285,8 +285,8 @@ class Recycler:
             ours = bool(it.checksum) and _same_inode(
                 it.staged, self.layout.object_path(it.checksum or "")
             )
-            copy = os.path.lexists(it.staged) and self._staged_by_copy(it, mode)
-            if os.path.lexists(it.staged) and not _put_back(it.key, it.staged, copy):
+            staged = os.path.lexists(it.staged)
+            if staged and not _put_back(it.key, it.staged, self._staged_by_copy(it, mode)):
                 displaced.append(it)
             if it.checksum and ours:
                 self.objects.discard_unindexed(txid, it.checksum)

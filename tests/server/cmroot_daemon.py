@@ -8,14 +8,12 @@ machinery (a uniquely named module, so imports never clash with another conftest
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import http.client
 import json
 import os
 import signal
 import socket
 import sqlite3
-import stat
 import subprocess
 import sys
 import time
@@ -23,6 +21,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
+
+from cmroot_testlib import tree
 
 from cmroot.client import Client
 from cmroot.server.auth import new_token
@@ -319,27 +319,6 @@ class Daemon:
             assert r.status == 200, r
             state["current_event"] = r.json()
         return state
-
-
-def tree(root: Path) -> dict[str, str]:
-    """Every entry under `root`: directories as 'dir', symlinks by target, files by digest."""
-    out: dict[str, str] = {}
-    if not root.exists():
-        return out
-    for dirpath, dirnames, filenames in os.walk(root):
-        for d in dirnames:
-            p = os.path.join(dirpath, d)
-            out[p] = "link->" + os.readlink(p) if os.path.islink(p) else "dir"
-        for f in filenames:
-            p = os.path.join(dirpath, f)
-            if os.path.islink(p):
-                out[p] = "link->" + os.readlink(p)
-            elif not stat.S_ISREG(os.lstat(p).st_mode):
-                out[p] = "special"  # a FIFO would block a read
-            else:
-                with open(p, "rb") as fh:
-                    out[p] = hashlib.sha256(fh.read()).hexdigest()
-    return out
 
 
 def write_files(root: Path, files: Mapping[str, bytes]) -> dict[str, bytes]:
