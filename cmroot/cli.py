@@ -9,6 +9,7 @@ which was used.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -26,35 +27,10 @@ from cmroot import checksum as cks
 from cmroot import config as cfg
 from cmroot.exceptions import BadRequest, CmrootError, NotFound, StoreLocked
 from cmroot.logs import setup_logging
+from cmroot.progress import Progress
 from cmroot.store import RecycleRequest, Store
 
 log = logging.getLogger("cmroot.cli")
-
-
-class Progress:
-    """A one-line progress counter on stderr; silent when stderr is not a terminal
-    unless the work is long, then a line every few seconds."""
-
-    def __init__(self, label: str, enabled: bool = True) -> None:
-        self.label = label
-        self.enabled = enabled
-        self.tty = sys.stderr.isatty()
-        self._last = time.monotonic()
-
-    def __call__(self, done: int, total: int | None = None) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        final = total is not None and done >= total
-        if not final and now - self._last < (0.2 if self.tty else 5.0):
-            return
-        self._last = now
-        text = f"{self.label}: {done}" + (f"/{total}" if total else "")
-        if self.tty:
-            sys.stderr.write("\r" + text + ("\n" if final else ""))
-        elif not final or done > 1000:
-            sys.stderr.write(text + "\n")
-        sys.stderr.flush()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -128,6 +104,32 @@ def _parser() -> argparse.ArgumentParser:
         help="`--conf k=v` lines (default) or spark-defaults.conf lines",
     )
     s.add_argument("--fail-open", action="store_true", help="delete anyway if cmroot is down")
+
+    s = sub.add_parser("repl", parents=[common], help="replicate a database or table on Spark")
+    repl = s.add_subparsers(dest="repl_verb", required=True, metavar="ACTION")
+    with_help = "a Spark setting (or cmroot.url / cmroot.token for the loader); repeatable"
+    r = repl.add_parser(
+        "dump", parents=[common], help="write a dump: a bootstrap, or the events after --from"
+    )
+    r.add_argument("scope", metavar="DB[.TABLE]")
+    r.add_argument("--from", dest="from_id", type=int, metavar="N",
+                   help="incremental: the events after N (the id `repl status` printed)")
+    r.add_argument("--to", dest="to_id", type=int, metavar="M", help="up to event M")
+    r.add_argument("--limit", type=int, metavar="K", help="at most K events")
+    r.add_argument("--to-dir", required=True, metavar="URI", help="where to write the dump")
+    r.add_argument("--with", dest="with_", action="append", default=[], metavar="K=V",
+                   help=with_help)
+    r = repl.add_parser("load", parents=[common], help="apply a dump on this Spark catalog")
+    r.add_argument("scope", nargs="?", metavar="DB[.TABLE]", help="load under this name")
+    r.add_argument("--from-dir", required=True, metavar="URI", help="the dump directory")
+    r.add_argument("--with", dest="with_", action="append", default=[], metavar="K=V",
+                   help=with_help)
+    r = repl.add_parser(
+        "status", parents=[common], help="the last source event applied to DB[.TABLE]"
+    )
+    r.add_argument("scope", metavar="DB[.TABLE]")
+    r.add_argument("--with", dest="with_", action="append", default=[], metavar="K=V",
+                   help=with_help)
 
     s = sub.add_parser("token", parents=[common], help="create API tokens")
     s.add_argument("action", choices=["create"])
@@ -439,7 +441,68 @@ def _spark_conf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _repl(args: argparse.Namespace) -> int:
+    from cmroot import repl
+    from cmroot.repl.session import parse_with, session
+
+    conf, options = parse_with(args.with_)
+    db, _, table = args.scope.partition(".") if args.scope else ("", "", "")
+    if args.repl_verb == "dump":
+        url = options.get("url") or args.url or _load(args).server.base_url
+        token = options.get("token") or args.token
+        spark = None
+        if args.from_id is None:
+            spark = session("cmroot repl dump", conf, hook=(url, token))
+        progress = _ReplProgress(not args.quiet)
+        with contextlib.closing(_client(url, token)) as client:
+            where, header = repl.dump(
+                client, db, table or None, args.to_dir, args.from_id, args.to_id, args.limit,
+                spark, progress,
+            )
+        _out(
+            args,
+            {"dump_dir": where, "last_event_id": header.last_event_id, "kind": header.kind,
+             "events": header.events, "files": header.files, "bytes": header.bytes},
+            lambda r: f"{r['dump_dir']}\t{r['last_event_id']}",
+        )
+        return 0
+    spark = session(f"cmroot repl {args.repl_verb}", conf)
+    if args.repl_verb == "status":
+        last = repl.status(spark, db, table or None)
+        _out(args, {"scope": args.scope, "last_event_id": last},
+             lambda r: "" if r["last_event_id"] is None else str(r["last_event_id"]))
+        return 0
+    result = repl.load(
+        spark, args.from_dir, args.scope, options.get("url") or args.url,
+        options.get("token") or args.token, _ReplProgress(not args.quiet),
+    )
+    _out(
+        args,
+        result.to_json(),
+        lambda r: (
+            f"loaded {r['db'] + ('.' + r['table'] if r['table'] else '')}: {r['events']} events, "
+            f"{r['files']} files ({r['bytes']} bytes; "
+            + ", ".join(f"{n} {k}" for k, n in sorted(r["sources"].items()))
+            + f"); at event {r['last_event_id']}"
+        ),
+    )
+    return 0
+
+
+class _ReplProgress:
+    """One progress line per phase (events read, files hashed, files copied)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.lines: dict[str, Progress] = {}
+
+    def __call__(self, what: str, done: int, total: int | None) -> None:
+        line = self.lines.setdefault(what, Progress(what, self.enabled))
+        line(done, total)
+
+
 _VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "repl": _repl,
     "serve": _serve,
     "recycle": _recycle,
     "resolve": _resolve,

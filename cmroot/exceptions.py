@@ -74,6 +74,16 @@ class DaemonUnavailable(CmrootError):
     status = 503
 
 
+class ReplError(CmrootError):
+    """Replication cannot go on: a bad dump, a destination in the wrong state."""
+
+
+class FileLost(ReplError):
+    """A file a dump names is neither at its path with its checksum nor in the cmroot."""
+
+    status = 404
+
+
 _BY_STATUS: dict[int, type[CmrootError]] = {
     400: BadRequest,
     401: Unauthorized,

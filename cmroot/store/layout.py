@@ -9,16 +9,14 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import fcntl
 import os
 
+from cmroot.durable import fsync_dir, sync_filesystem
 from cmroot.exceptions import StoreLocked
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-
+__all__ = ["Layout", "fsync_dir", "same_bytes", "sync_filesystem"]
 
 class Layout:
     def __init__(self, root: str) -> None:
@@ -59,26 +57,6 @@ class Layout:
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         return fd
-
-
-def sync_filesystem(path: str) -> None:
-    """Flush the filesystem holding `path` (renames included) with one syncfs(2) call,
-    instead of an fsync per directory touched."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if _libc.syncfs(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err), path)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def same_bytes(a: str, b: str, chunk: int = 1 << 20) -> bool:

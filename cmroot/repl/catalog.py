@@ -1,0 +1,123 @@
+"""The destination catalog, through a Spark session: what a load reads and changes.
+
+Writes are Spark SQL, so they go through whatever catalog the session is configured with
+(the Hive metastore in production, Derby in tests); reads that SQL answers awkwardly
+(database properties, a table's location) use the session catalog through py4j."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cmroot.repl import tabledef
+from cmroot.repl.tabledef import literal, qualified, quote
+
+LAST_ID = "repl.last.id"  # Hive's key: the last source event applied here
+BOOTSTRAP = "cmroot.repl.bootstrap"  # the event id of the bootstrap this replica came from
+
+
+class Destination:
+    def __init__(self, spark: Any) -> None:
+        self.spark = spark
+        self._jvm = spark.sparkContext._jvm
+        self._locations: dict[tuple[str, str], str] = {}
+
+    def sql(self, text: str) -> list[Any]:
+        return list(self.spark.sql(text).collect())
+
+    def _catalog(self) -> Any:
+        return self.spark._jsparkSession.sessionState().catalog()
+
+    def _ident(self, db: str, table: str) -> Any:
+        return self._jvm.org.apache.spark.sql.catalyst.TableIdentifier(
+            table, self._jvm.scala.Option.apply(db)
+        )
+
+    # -- reads ----------------------------------------------------------------------------
+    def has_db(self, db: str) -> bool:
+        return bool(self._catalog().databaseExists(db))
+
+    def has_table(self, db: str, table: str) -> bool:
+        return self.has_db(db) and bool(self._catalog().tableExists(self._ident(db, table)))
+
+    def db_properties(self, db: str) -> dict[str, str]:
+        props = self._catalog().getDatabaseMetadata(db).properties()
+        return _scala_map(props)
+
+    def table_properties(self, db: str, table: str) -> dict[str, str]:
+        return _scala_map(self._catalog().getTableMetadata(self._ident(db, table)).properties())
+
+    def tables(self, db: str) -> list[str]:
+        return [t.name for t in self.spark.catalog.listTables(db) if not t.isTemporary]
+
+    def location(self, db: str, table: str) -> str:
+        """The local directory of a table (cached until the table is dropped or renamed)."""
+        key = (db, table)
+        if key not in self._locations:
+            uri = self._catalog().getTableMetadata(self._ident(db, table)).location()
+            self._locations[key] = str(uri.getPath()).rstrip("/")
+        return self._locations[key]
+
+    def columns(self, db: str, table: str) -> list[str]:
+        return [f.name.lower() for f in self.spark.table(qualified(db, table)).schema.fields]
+
+    # -- writes ---------------------------------------------------------------------------
+    def create_db(self, db: str, properties: dict[str, str] | None = None) -> None:
+        props = f" WITH DBPROPERTIES ({_pairs(properties)})" if properties else ""
+        self.sql(f"CREATE DATABASE IF NOT EXISTS {quote(db)}{props}")
+
+    def drop_db(self, db: str) -> None:
+        self.sql(f"DROP DATABASE IF EXISTS {quote(db)} CASCADE")
+        self._locations = {k: v for k, v in self._locations.items() if k[0] != db}
+
+    def set_db_properties(self, db: str, properties: dict[str, str]) -> None:
+        self.sql(f"ALTER DATABASE {quote(db)} SET DBPROPERTIES ({_pairs(properties)})")
+
+    def create_table(self, table_obj: dict[str, Any], db: str, table: str) -> None:
+        self.sql(tabledef.create_sql(table_obj, db, table))
+
+    def drop_table(self, db: str, table: str) -> None:
+        self.sql(f"DROP TABLE IF EXISTS {qualified(db, table)} PURGE")
+        self._locations.pop((db, table), None)
+
+    def rename_table(self, db: str, old: str, new: str) -> None:
+        self.sql(f"ALTER TABLE {qualified(db, old)} RENAME TO {qualified(db, new)}")
+        self._locations.pop((db, old), None)
+
+    def add_columns(self, db: str, table: str, cols: list[tuple[str, str]]) -> None:
+        spec = ", ".join(f"{quote(n)} {t}" for n, t in cols)
+        self.sql(f"ALTER TABLE {qualified(db, table)} ADD COLUMNS ({spec})")
+
+    def set_table_properties(self, db: str, table: str, properties: dict[str, str]) -> None:
+        self.sql(f"ALTER TABLE {qualified(db, table)} SET TBLPROPERTIES ({_pairs(properties)})")
+
+    def unset_table_properties(self, db: str, table: str, keys: list[str]) -> None:
+        names = ", ".join(literal(k) for k in keys)
+        self.sql(f"ALTER TABLE {qualified(db, table)} UNSET TBLPROPERTIES IF EXISTS ({names})")
+
+    def add_partitions(self, db: str, table: str, specs: list[dict[str, str]],
+                       keys: list[str]) -> None:
+        if specs:
+            parts = " ".join(tabledef.partition_spec(s, keys) for s in specs)
+            self.sql(f"ALTER TABLE {qualified(db, table)} ADD IF NOT EXISTS {parts}")
+
+    def drop_partitions(self, db: str, table: str, specs: list[dict[str, str]],
+                        keys: list[str]) -> None:
+        if specs:
+            parts = ", ".join(tabledef.partition_spec(s, keys) for s in specs)
+            self.sql(f"ALTER TABLE {qualified(db, table)} DROP IF EXISTS {parts} PURGE")
+
+    def refresh(self, db: str, table: str) -> None:
+        self.sql(f"REFRESH TABLE {qualified(db, table)}")
+
+
+def _scala_map(m: Any) -> dict[str, str]:
+    out = {}
+    it = m.iterator()
+    while it.hasNext():
+        kv = it.next()
+        out[str(kv._1())] = str(kv._2())
+    return out
+
+
+def _pairs(d: dict[str, str]) -> str:
+    return ", ".join(f"{literal(k)}={literal(v)}" for k, v in sorted(d.items()))

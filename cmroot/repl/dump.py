@@ -1,0 +1,269 @@
+"""`cmroot repl dump`: write a dump directory for a database or one table.
+
+Incremental (`from_id` given): the events after `from_id` that concern the scope, read
+from the daemon; no Spark needed. Bootstrap: the scope's tables, partitions and files as
+they are now, listed through Spark and hashed on the executors, written as snapshot events
+sharing the event id the dump started at; the events that happened while listing follow,
+so replaying the dump gives the source as of its last event id."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from cmroot import checksum as cks
+from cmroot.client import Client
+from cmroot.exceptions import BadRequest, ReplError
+from cmroot.repl import dumpdir, tabledef
+from cmroot.repl.dumpdir import DumpEvent, Header
+
+log = logging.getLogger(__name__)
+
+PAGE = 1000  # the daemon's largest page of events
+# Names Spark, Hive and cmroot write beside data files and never read as data.
+_HIDDEN = (".", "_")
+
+
+def dump(
+    client: Client,
+    db: str,
+    table: str | None,
+    to_dir: str,
+    from_id: int | None = None,
+    to_id: int | None = None,
+    limit: int | None = None,
+    spark: Any = None,
+    progress: Callable[[str, int, int | None], None] | None = None,
+) -> tuple[str, Header]:
+    """Write a dump under `to_dir`; returns its directory and header."""
+    db = db.lower()
+    table = table.lower() if table else None
+    if limit is not None and limit < 1:
+        raise BadRequest("bad --limit", f"{limit}: give a positive number of events")
+    if from_id is None and (to_id is not None or limit is not None):
+        raise BadRequest("--to and --limit need --from", "a bootstrap dumps everything up to now")
+    report = progress or (lambda what, done, total: None)
+    if from_id is None:
+        if spark is None:
+            raise ReplError("a bootstrap dump needs Spark", "pip install 'cmroot[spark]'")
+        kind = "bootstrap"
+        start = client.current_event()
+        events = list(_snapshot(spark, db, table, start, report))
+        tail, last = _events(client, db, table, start, None, None, report)
+        events += tail
+        first = start
+    else:
+        kind = "incremental"
+        events, last = _events(client, db, table, from_id, to_id, limit, report)
+        first = from_id
+    tables = _table_metadata(events)
+    header = Header(kind, db, table, first, last, time.time(), client.url)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(header.created))
+    url = posixpath.join(to_dir.rstrip("/"), f"{header.scope}-{kind}-{first}-{last}-{stamp}")
+    dumpdir.write(url, header, events, tables)
+    return url, header
+
+
+def _events(
+    client: Client,
+    db: str,
+    table: str | None,
+    after: int,
+    to_id: int | None,
+    limit: int | None,
+    report: Callable[[str, int, int | None], None],
+) -> tuple[list[DumpEvent], int]:
+    """Events after `after` (up to `to_id`, at most `limit` in scope) and the id the dump is
+    consistent as of: the last event read, in scope or not."""
+    end = client.current_event() if to_id is None else min(to_id, client.current_event())
+
+    def scan() -> Iterator[dict[str, Any]]:
+        nxt, read = after + 1, 0
+        while nxt <= end:
+            page = [e for e in client.events(nxt, PAGE) if e["id"] <= end]
+            if not page:
+                return
+            yield from page
+            read += len(page)
+            nxt = page[-1]["id"] + 1
+            report("events read", read, end - after)
+
+    picked: list[DumpEvent] = []
+    last = end if end > after else after
+    for e, relevant in dumpdir.in_scope(scan(), db, table):
+        if relevant:
+            if limit is not None and len(picked) == limit:
+                last = picked[-1].id  # the rest waits for the next dump
+                break
+            picked.append(DumpEvent.from_api(e))
+    return picked, last
+
+
+def _table_metadata(events: list[DumpEvent]) -> dict[str, dict[str, Any]]:
+    """The newest definition of every table the dump touches (keyed `db.table`)."""
+    out: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if e.table_obj is not None:
+            name = f"{e.table_obj.get('db', e.db)}.{e.table_obj.get('table', e.table)}"
+            meta = out.setdefault(name.lower(), {"partitions": None})
+            meta["tableObj"] = e.table_obj
+    return out
+
+
+# -- bootstrap ---------------------------------------------------------------------------
+
+
+def table_obj(spark: Any, db: str, table: str) -> dict[str, Any]:
+    """The table's definition in the shape the hook records (needs the shim jar)."""
+    jvm = spark.sparkContext._jvm
+    raw = (
+        spark._jsparkSession.sharedState()
+        .externalCatalog()
+        .unwrapped()
+        .client()
+        .getRawHiveTable(db, table)
+        .rawTable()
+    )
+    try:
+        text = jvm.io.cmroot.spark.Cmroot.tableJson(raw)
+    except Exception as e:
+        raise ReplError(
+            "cannot read table definitions",
+            f"{db}.{table}: {e}; run the dump on a session configured with the cmroot hook "
+            "(cmroot.spark.configure, or `cmroot repl dump` which does it)",
+        ) from None
+    return dict(json.loads(text))
+
+
+def _partitions(spark: Any, db: str, table: str) -> list[dict[str, str]]:
+    from urllib.parse import unquote
+
+    rows = spark.sql(f"SHOW PARTITIONS {tabledef.qualified(db, table)}").collect()
+    out = []
+    for r in rows:
+        spec = {}
+        for seg in r[0].split("/"):
+            k, _, v = seg.partition("=")
+            spec[unquote(k)] = unquote(v)
+        out.append(spec)
+    return out
+
+
+def _snapshot(
+    spark: Any,
+    db: str,
+    table: str | None,
+    start: int,
+    report: Callable[[str, int, int | None], None],
+) -> Iterator[DumpEvent]:
+    names = [table] if table else [
+        t.name for t in spark.catalog.listTables(db) if not t.isTemporary and t.tableType != "VIEW"
+    ]
+    seq = 0
+    if table is None:
+        yield DumpEvent(start, seq, "CREATE_DATABASE", db, None)
+        seq += 1
+    plans: list[tuple[str, dict[str, Any], list[dict[str, str]]]] = []
+    dirs: list[tuple[str, str, str]] = []  # (table, spec as JSON, directory)
+    for name in sorted(n.lower() for n in names):
+        try:
+            obj = table_obj(spark, db, name)
+        except ReplError:
+            raise
+        except Exception as e:  # dropped while we looked: its DROP event follows
+            log.info("table gone during bootstrap", extra={"table": f"{db}.{name}", "err": str(e)})
+            continue
+        loc = tabledef.location(obj)
+        if loc is None or not loc.startswith("/"):
+            raise ReplError(
+                "table location not on the local filesystem",
+                f"{db}.{name} at {loc}: only local warehouses are replicated by this version",
+            )
+        keys = tabledef.partition_columns(obj)
+        specs = _partitions(spark, db, name) if keys else [{}]
+        plans.append((name, obj, specs))
+        for spec in specs:
+            rel = tabledef.partition_dir(spec, keys)
+            dirs.append((name, json.dumps(spec, sort_keys=True), os.path.join(loc, rel)))
+    files = _hash_files(spark, _list_files(spark, dirs), report)
+    by_dir: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for name, spec_key, path, checksum, size in files:
+        by_dir.setdefault((name, spec_key), []).append(
+            {"path": path, "checksum": checksum, "size": size}
+        )
+    for name, obj, specs in plans:
+        loc = tabledef.location(obj)
+        yield DumpEvent(start, seq, "CREATE_TABLE", db, name, location=loc, table_obj=obj)
+        seq += 1
+        for spec in specs:
+            got = sorted(by_dir.get((name, json.dumps(spec, sort_keys=True)), []),
+                         key=lambda f: str(f["path"]))
+            kind = "ADD_PARTITION" if spec else "INSERT"
+            if spec or got:
+                yield DumpEvent(start, seq, kind, db, name, [spec] if spec else [], loc,
+                                files=got)
+                seq += 1
+
+
+def _list_files(spark: Any, dirs: list[tuple[str, str, str]]) -> list[tuple[str, str, str, int]]:
+    """(table, spec, path, size) of every data file under each directory, listed on the
+    executors."""
+    if not dirs:
+        return []
+
+    def walk(rows: Iterator[tuple[str, str, str]]) -> Iterator[tuple[str, str, str, int]]:
+        for name, spec, d in rows:
+            for root, subdirs, fnames in os.walk(d):
+                subdirs[:] = sorted(s for s in subdirs if not s.startswith(_HIDDEN))
+                for f in sorted(fnames):
+                    if f.startswith(_HIDDEN):
+                        continue
+                    p = os.path.join(root, f)
+                    try:
+                        yield name, spec, p, os.stat(p).st_size
+                    except FileNotFoundError:
+                        pass  # dropped while listed: its event is in the dump
+
+    slices = max(1, min(len(dirs), spark.sparkContext.defaultParallelism * 4))
+    return list(spark.sparkContext.parallelize(dirs, slices).mapPartitions(walk).collect())
+
+
+def _hash_files(
+    spark: Any,
+    files: list[tuple[str, str, str, int]],
+    report: Callable[[str, int, int | None], None],
+) -> list[tuple[str, str, str, str, int]]:
+    """(table, spec, path, checksum, size), hashed on the executors, in batches so the
+    progress line moves; a file gone meanwhile is left out (its drop is in the dump)."""
+    if not files:
+        return []
+
+    def hash_rows(
+        rows: Iterator[tuple[str, str, str, int]],
+    ) -> Iterator[tuple[str, str, str, str, int]]:
+        for name, spec, path, _ in rows:
+            try:
+                with open(path, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    digest = cks.of_stream(f)
+            except FileNotFoundError:
+                continue
+            yield name, spec, path, digest, size
+
+    sc = spark.sparkContext
+    per_task = max(1, min(2000, len(files) // (sc.defaultParallelism * 4) or 1))
+    out: list[tuple[str, str, str, str, int]] = []
+    total = len(files)
+    batch = per_task * sc.defaultParallelism * 8
+    for i in range(0, total, batch):
+        chunk = files[i : i + batch]
+        out += sc.parallelize(chunk, max(1, len(chunk) // per_task)).mapPartitions(
+            hash_rows
+        ).collect()
+        report("files hashed", min(i + batch, total), total)
+    return out

@@ -1,0 +1,505 @@
+"""`cmroot repl load`: replay a dump on the destination, in event order.
+
+Metadata changes run on the driver as Spark SQL. Files are copied by the executors
+(`transfer.copy_all`), each verified against its checksum; runs of events that only add
+files are copied as one Spark job, and any event that removes something first waits for
+the copies before it. A batch becomes visible only when all its files arrived (temporaries
+renamed into place), so a file lost from both the source and the cmroot changes nothing.
+
+Every step is idempotent (IF [NOT] EXISTS, files already present with their checksum are
+kept), so a rerun, or a rerun after the driver was killed, converges on the same state.
+The last event applied is kept in the destination's properties (`repl.last.id`, as Hive
+does): on the database, or on the table for a one-table replication."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+from cmroot.client import Client
+from cmroot.durable import sync_filesystem
+from cmroot.exceptions import FileLost, ReplError
+from cmroot.repl import dumpdir, tabledef
+from cmroot.repl.catalog import BOOTSTRAP, LAST_ID, Destination
+from cmroot.repl.dumpdir import Dump, DumpEvent
+from cmroot.repl.transfer import TEMP_PREFIX, Copied, Copy, copy_all, discard, publish
+
+log = logging.getLogger(__name__)
+
+Report = Callable[[str, int, int | None], None]
+REMOVES = frozenset({"INSERT_OVERWRITE", "TRUNCATE", "DELETE", "ALTER_LOCATION"})
+_RESOLVE_BATCH = 5000
+
+
+@dataclass
+class LoadResult:
+    db: str
+    table: str | None
+    dump: str
+    events: int = 0
+    last_event_id: int | None = None
+    files: int = 0
+    bytes: int = 0
+    sources: dict[str, int] = field(default_factory=dict)  # original / cmroot / present
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "db": self.db,
+            "table": self.table,
+            "dump": self.dump,
+            "events": self.events,
+            "last_event_id": self.last_event_id,
+            "files": self.files,
+            "bytes": self.bytes,
+            "sources": self.sources,
+        }
+
+
+def load(
+    spark: Any,
+    dump_url: str,
+    target: str | None = None,
+    daemon_url: str | None = None,
+    token: str | None = None,
+    progress: Report | None = None,
+) -> LoadResult:
+    """Apply the dump at `dump_url`; `target` ("db" or "db.table") renames on load."""
+    return Loader(spark, dumpdir.read(dump_url), target, daemon_url, token, progress).run()
+
+
+def status(spark: Any, db: str, table: str | None = None) -> int | None:
+    """The last source event applied to `db` (or `db.table`); None if never replicated."""
+    dest = Destination(spark)
+    db = db.lower()
+    if table is None:
+        props = dest.db_properties(db) if dest.has_db(db) else {}
+    else:
+        table = table.lower()
+        props = dest.table_properties(db, table) if dest.has_table(db, table) else {}
+    value = props.get(LAST_ID)
+    return int(value) if value else None
+
+
+class Loader:
+    def __init__(
+        self,
+        spark: Any,
+        dump: Dump,
+        target: str | None,
+        daemon_url: str | None,
+        token: str | None,
+        progress: Report | None,
+    ) -> None:
+        self.spark = spark
+        self.dump = dump
+        self.dest = Destination(spark)
+        h = dump.header
+        tdb, _, ttable = (target or "").partition(".")
+        if ttable and h.table is None:
+            raise ReplError(
+                "a database dump loads into a database",
+                f"{target}: give a database name (the dump holds all of {h.db})",
+            )
+        self.db = (tdb or h.db).lower()
+        self.table = (ttable or h.table or "").lower() or None  # one-table replication
+        self.daemon_url = daemon_url or h.daemon_url or None
+        self.token = token
+        self.report: Report = progress or (lambda what, done, total: None)
+        self.result = LoadResult(self.db, self.table, dump.url)
+        self._defs: dict[str, dict[str, Any]] = {}  # source table -> newest definition
+        self._tables: set[str] = set()  # destination tables known to exist
+        self._copies: list[Copy] = []
+        self._origin: dict[str, tuple[int, str, str]] = {}  # dst -> (event, path, checksum)
+        self._partitions: dict[str, list[dict[str, str]]] = {}
+        self._client: Client | None = Client(self.daemon_url, token) if self.daemon_url else None
+        for name, meta in dump.tables.items():
+            if meta.get("tableObj"):
+                self._defs[name.partition(".")[2]] = meta["tableObj"]
+
+    # -- the run --------------------------------------------------------------------------
+    def run(self) -> LoadResult:
+        h = self.dump.header
+        applied = self._status()
+        if applied is not None and applied >= h.last_event_id:
+            log.info("dump already applied", extra={"dump": self.dump.url, "applied": applied})
+            self.result.last_event_id = applied
+            return self.result
+        if h.kind == "bootstrap":
+            self._claim_bootstrap()
+            todo = self.dump.events
+        else:
+            if h.first_event_id > (applied or 0):
+                raise ReplError(
+                    "this dump starts after events the destination has not seen",
+                    f"{self._scope()} is at event {applied or 0} but the dump holds events "
+                    f"after {h.first_event_id}: dump with --from {applied or 0}, or load the "
+                    "dumps in order",
+                )
+            todo = [e for e in self.dump.events if e.id > (applied or 0)]
+        self._sweep_temporaries()
+        total = len(todo)
+        for i, e in enumerate(todo, 1):
+            self._apply(e)
+            self.result.events += 1
+            self.report("events applied", i, total)
+        self._flush(checkpoint=None)
+        self._set_status(h.last_event_id)
+        self.result.last_event_id = h.last_event_id
+        if self._client is not None:
+            self._client.close()
+        return self.result
+
+    def _scope(self) -> str:
+        return self.db if self.table is None else f"{self.db}.{self.table}"
+
+    def _status(self) -> int | None:
+        if self.table is None:
+            props = self.dest.db_properties(self.db) if self.dest.has_db(self.db) else {}
+        elif self.dest.has_table(self.db, self.table):
+            props = self.dest.table_properties(self.db, self.table)
+        else:
+            props = {}
+        return int(props[LAST_ID]) if props.get(LAST_ID) else None
+
+    def _set_status(self, event_id: int) -> None:
+        if self.table is None:
+            if self.dest.has_db(self.db):
+                self.dest.set_db_properties(self.db, {LAST_ID: str(event_id)})
+        elif self.dest.has_table(self.db, self.table):
+            self.dest.set_table_properties(self.db, self.table, {LAST_ID: str(event_id)})
+
+    def _claim_bootstrap(self) -> None:
+        """A bootstrap goes into a new database (or table), or into the one an interrupted
+        run of this same bootstrap left; never over someone else's data."""
+        marker = str(self.dump.header.first_event_id)
+        if not self.dest.has_db(self.db):
+            self.dest.create_db(self.db, {BOOTSTRAP: marker} if self.table is None else None)
+            return
+        if self.table is None:
+            props = self.dest.db_properties(self.db)
+            if props.get(BOOTSTRAP) != marker and self.dest.tables(self.db):
+                raise ReplError(
+                    "the target database already exists",
+                    f"{self.db} holds tables and is not a replica of this bootstrap: drop it, "
+                    "or load into another name (cmroot repl load NEWDB --from-dir ...)",
+                )
+            self.dest.set_db_properties(self.db, {BOOTSTRAP: marker})
+        elif self.dest.has_table(self.db, self.table):
+            props = self.dest.table_properties(self.db, self.table)
+            if props.get(BOOTSTRAP) != marker:
+                raise ReplError(
+                    "the target table already exists",
+                    f"{self.db}.{self.table} is not a replica of this bootstrap: drop it, or "
+                    "load into another name (cmroot repl load DB.NEWTABLE --from-dir ...)",
+                )
+
+    def _sweep_temporaries(self) -> None:
+        """Remove what a killed load left half-copied (hidden, never read as data)."""
+        if not self.dest.has_db(self.db):
+            return
+        tables = [self.table] if self.table else self.dest.tables(self.db)
+        for t in tables:
+            if not self.dest.has_table(self.db, t):
+                continue
+            for root, _, files in os.walk(self.dest.location(self.db, t)):
+                for f in files:
+                    if f.startswith(TEMP_PREFIX):
+                        os.unlink(os.path.join(root, f))
+
+    # -- events ---------------------------------------------------------------------------
+    def _apply(self, e: DumpEvent) -> None:
+        kind = e.type
+        if e.table_obj is not None and e.table:
+            self._defs[e.table.lower()] = e.table_obj
+        if kind == "CREATE_DATABASE":
+            if self.table is None:
+                self.dest.create_db(self.db)
+        elif kind == "DROP_DATABASE":
+            if self.table is None:
+                self._flush(e.id)
+                self.dest.drop_db(self.db)
+                self._tables.clear()
+        elif kind == "CREATE_TABLE":
+            self._ensure_table(e)
+        elif kind == "ALTER_TABLE":
+            self._flush(e.id)
+            self._alter(e)
+        elif kind == "DROP_TABLE":
+            self._flush(e.id)
+            self._drop_table(e)
+        elif kind == "DROP_PARTITION":
+            self._flush(e.id)
+            self._drop_partitions(e)
+        elif kind in ("INSERT", "ADD_PARTITION"):
+            self._add(e)
+        elif kind in REMOVES:
+            self._flush(e.id)
+            self._remove(e)
+        else:
+            raise ReplError("unknown event type in the dump", f"event {e.id}: {kind}")
+
+    def _dst_table(self, e: DumpEvent) -> str:
+        if self.table is not None:
+            return self.table
+        if not e.table:
+            raise ReplError("event without a table", f"event {e.id} ({e.type})")
+        return e.table.lower()
+
+    def _definition(self, e: DumpEvent) -> dict[str, Any] | None:
+        src = (e.table or "").lower()
+        if e.table_obj is not None:
+            return e.table_obj
+        if src in self._defs:
+            return self._defs[src]
+        for later in self.dump.events:  # a CTAS writes its files before it creates its table
+            if later.type == "CREATE_TABLE" and (later.table or "").lower() == src:
+                return later.table_obj
+        return None
+
+    def _ensure_table(self, e: DumpEvent) -> str:
+        dst = self._dst_table(e)
+        if dst in self._tables:
+            return dst
+        if not self.dest.has_db(self.db):
+            self.dest.create_db(self.db)
+        if not self.dest.has_table(self.db, dst):
+            obj = self._definition(e)
+            if obj is None:
+                raise ReplError(
+                    "table missing at the destination",
+                    f"{self.db}.{dst} (event {e.id}) does not exist and the dump has no "
+                    "definition for it: load a bootstrap first (cmroot repl dump without --from)",
+                )
+            self.dest.create_table(obj, self.db, dst)
+            if self.table is not None and self.dump.header.kind == "bootstrap":
+                marker = str(self.dump.header.first_event_id)
+                self.dest.set_table_properties(self.db, dst, {BOOTSTRAP: marker})
+        self._tables.add(dst)
+        return dst
+
+    def _keys(self, e: DumpEvent) -> list[str]:
+        obj = self._definition(e)
+        return tabledef.partition_columns(obj) if obj else []
+
+    def _src_location(self, e: DumpEvent) -> str:
+        loc = e.location or tabledef.location(self._definition(e) or {})
+        if not loc:
+            raise ReplError(
+                "no source location for a table", f"event {e.id}: {e.db}.{e.table}"
+            )
+        return loc.rstrip("/")
+
+    def _dst_path(self, e: DumpEvent, dst_table: str, path: str) -> str:
+        src_loc = self._src_location(e)
+        if not path.startswith(src_loc + "/"):
+            raise ReplError(
+                "file outside its table's location",
+                f"event {e.id}: {path} is not under {src_loc}; partitions with their own "
+                "locations are not replicated",
+            )
+        base = self.dest.location(self.db, dst_table)
+        dst = os.path.normpath(os.path.join(base, path[len(src_loc) + 1 :]))
+        if not dst.startswith(base + "/"):
+            raise ReplError("bad path in the dump", f"event {e.id}: {path}")
+        return dst
+
+    def _spec_of(self, rel_dir: str, keys: list[str]) -> dict[str, str]:
+        spec = {}
+        for seg in rel_dir.split("/"):
+            k, sep, v = seg.partition("=")
+            if sep and unquote(k) in keys:
+                spec[unquote(k)] = unquote(v)
+        return spec if len(spec) == len(keys) else {}
+
+    def _add(self, e: DumpEvent) -> None:
+        dst_table = self._ensure_table(e)
+        keys = self._keys(e)
+        specs = self._partitions.setdefault(dst_table, [])
+        for spec in e.partitions:
+            if keys and spec and spec not in specs:
+                specs.append(spec)
+        base = self.dest.location(self.db, dst_table)
+        for f in e.files:
+            dst = self._dst_path(e, dst_table, f["path"])
+            if keys:
+                spec = self._spec_of(os.path.relpath(os.path.dirname(dst), base), keys)
+                if spec and spec not in specs:
+                    specs.append(spec)
+            self._copies.append(Copy(f["path"], dst, f["checksum"], int(f["size"])))
+            self._origin[dst] = (e.id, f["path"], f["checksum"])
+
+    def _remove(self, e: DumpEvent) -> None:
+        dst_table = self._dst_table(e)
+        if not self.dest.has_table(self.db, dst_table):
+            return
+        for f in e.files:
+            try:
+                os.unlink(self._dst_path(e, dst_table, f["path"]))
+            except FileNotFoundError:
+                pass
+        self.dest.refresh(self.db, dst_table)
+
+    def _drop_table(self, e: DumpEvent) -> None:
+        dst_table = self._dst_table(e)
+        if self.dest.has_table(self.db, dst_table):
+            base = self.dest.location(self.db, dst_table)
+            self.dest.drop_table(self.db, dst_table)
+            # Files a killed load placed before registering them are not the catalog's.
+            shutil.rmtree(base, ignore_errors=True)
+        self._tables.discard(dst_table)
+
+    def _drop_partitions(self, e: DumpEvent) -> None:
+        dst_table = self._dst_table(e)
+        if not self.dest.has_table(self.db, dst_table):
+            return
+        keys = self._keys(e)
+        specs = [s for s in e.partitions if s]
+        self.dest.drop_partitions(self.db, dst_table, specs, keys)
+        base = self.dest.location(self.db, dst_table)
+        for spec in specs:
+            shutil.rmtree(os.path.join(base, tabledef.partition_dir(spec, keys)),
+                          ignore_errors=True)
+
+    def _alter(self, e: DumpEvent) -> None:
+        new = e.table_obj
+        if new is None:
+            return
+        old_name, new_name = (e.table or "").lower(), str(new.get("table") or e.table).lower()
+        self._defs[new_name] = new
+        dst = self._dst_table(e)
+        if self.table is None and new_name != old_name:
+            if self.dest.has_table(self.db, old_name) and not self.dest.has_table(
+                self.db, new_name
+            ):
+                self.dest.rename_table(self.db, old_name, new_name)
+            self._tables.discard(old_name)
+            dst = new_name
+        if not self.dest.has_table(self.db, dst):
+            return
+        keys = set(tabledef.partition_columns(new))
+        have = set(self.dest.columns(self.db, dst))
+        added = [(n, t) for n, t in tabledef.columns(new) if n.lower() not in have | keys]
+        if added:
+            self.dest.add_columns(self.db, dst, added)
+        want = tabledef.user_properties(new)
+        cur = tabledef.user_properties({"parameters": self.dest.table_properties(self.db, dst)})
+        changed = {k: v for k, v in want.items() if cur.get(k) != v}
+        if changed:
+            self.dest.set_table_properties(self.db, dst, changed)
+        gone = [k for k in cur if k not in want]
+        if gone:
+            self.dest.unset_table_properties(self.db, dst, gone)
+
+    # -- files ----------------------------------------------------------------------------
+    def _flush(self, checkpoint: int | None) -> None:
+        """Copy every queued file, publish them, register their partitions; then, for an
+        incremental load, record how far the destination got (the event before
+        `checkpoint`)."""
+        copies, self._copies = self._copies, []
+        partitions, self._partitions = self._partitions, {}
+        if copies:
+            self._check_reachable(copies)
+            done = self._copy(copies)
+            lost = [c for c in done if c.source == "lost"]
+            if lost:
+                discard(done)
+                raise self._lost(lost, lost[0].error or "neither at its path nor in the cmroot")
+            publish(done)
+            sync_filesystem(os.path.dirname(copies[0].dst))
+            for c in done:
+                self.result.sources[c.source] = self.result.sources.get(c.source, 0) + 1
+            self.result.files += len(done)
+            self.result.bytes += sum(c.size for c in done)
+        for dst_table, specs in partitions.items():
+            if specs and self.dest.has_table(self.db, dst_table):
+                obj = self._defs.get(dst_table) or {}
+                keys = tabledef.partition_columns(obj) or list(specs[0])
+                self.dest.add_partitions(self.db, dst_table, specs, keys)
+        for dst_table in partitions:
+            if self.dest.has_table(self.db, dst_table):
+                self.dest.refresh(self.db, dst_table)
+        self._origin.clear()
+        if copies and checkpoint is not None and self.dump.header.kind == "incremental":
+            self._set_status(checkpoint - 1)
+
+    def _check_reachable(self, copies: list[Copy]) -> None:
+        """Fail before copying anything when a file is in neither place: those whose
+        original is gone or changed size are asked of the daemon up front."""
+        doubtful = [c for c in copies if _size(c.src) != c.size]
+        if not doubtful:
+            return
+        if self._client is None:
+            raise self._lost(doubtful, "its original is gone and no daemon URL is known")
+        missing: list[Copy] = []
+        for i in range(0, len(doubtful), _RESOLVE_BATCH):
+            batch = doubtful[i : i + _RESOLVE_BATCH]
+            answer = self._client.resolve(
+                [{"path": c.src, "checksum": c.checksum} for c in batch]
+            )["files"]
+            missing += [c for c, a in zip(batch, answer, strict=True) if a["status"] == "missing"]
+        if missing:
+            raise self._lost(missing)
+
+    def _lost(
+        self, lost: list[Copy] | list[Copied], why: str = "neither at its path nor in the cmroot"
+    ) -> FileLost:
+        event_id, src, checksum = self._origin.get(lost[0].dst, (0, lost[0].dst, "?"))
+        more = f" (and {len(lost) - 1} more)" if len(lost) > 1 else ""
+        return FileLost(
+            f"file lost: {src}",
+            f"{src} (checksum {checksum}, event {event_id}){more} is {why}: the cmroot "
+            "retention (store.retain) was shorter than this replication's lag. Nothing of "
+            f"event {event_id} was applied to {self._scope()}. Take a fresh bootstrap: "
+            f"cmroot repl dump {self.dump.header.scope} --to-dir DIR (without --from), then "
+            "load it into a new name",
+        )
+
+    def _copy(self, copies: list[Copy]) -> list[Copied]:
+        sc = self.spark.sparkContext
+        url, token = self.daemon_url, self.token
+        slices = max(1, min(len(copies), sc.defaultParallelism * 16))
+        group = f"cmroot-repl-load-{uuid.uuid4().hex[:8]}"
+        sc.setJobGroup(group, f"cmroot repl load: copy {len(copies)} files", False)
+        rdd = sc.parallelize(copies, slices).mapPartitions(lambda rows: copy_all(rows, url, token))
+        with self._tracking(sc, group, len(copies), slices):
+            return list(rdd.collect())
+
+    @contextmanager
+    def _tracking(self, sc: Any, group: str, files: int, tasks: int) -> Iterator[None]:
+        """Report the copy job's progress from Spark's status tracker."""
+        stop = threading.Event()
+
+        def poll() -> None:
+            tracker = sc.statusTracker()
+            while not stop.wait(0.5):
+                done = 0
+                for job in tracker.getJobIdsForGroup(group):
+                    info = tracker.getJobInfo(job)
+                    for stage in info.stageIds if info else ():
+                        s = tracker.getStageInfo(stage)
+                        done += s.numCompletedTasks if s else 0
+                self.report("files copied", files * done // tasks, files)
+
+        t = threading.Thread(target=poll, daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join()
+            self.report("files copied", files, files)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size if path.startswith("/") else -1
+    except OSError:
+        return -1
