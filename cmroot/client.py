@@ -41,7 +41,7 @@ class Client:
     def recycle(
         self, paths: list[str], progress: Callable[[int, int], None] | None = None, **kw: Any
     ) -> dict[str, Any]:
-        """POST /v1/recycle; kw: mode, purge, op, db, table, partitions."""
+        """POST /v1/recycle; kw: mode, purge, op, db, table, partitions, location."""
         body = {"paths": paths, **{k: v for k, v in kw.items() if v is not None}}
         try:
             res = self._json("POST", "/v1/recycle", body)
@@ -94,7 +94,8 @@ class Client:
         return int(self._json("GET", "/v1/events/current")["id"])
 
     def add_event(self, event_type: str, **kw: Any) -> int:
-        """POST /v1/events; kw: db, table, partitions, files, server."""
+        """POST /v1/events; kw: db, table, partitions, files, server, location, tableObj.
+        A file given as {"path"} alone is hashed by the daemon."""
         return int(self._json("POST", "/v1/events", {"eventType": event_type, **kw})["id"])
 
     def gc(

@@ -70,7 +70,8 @@ CREATE TABLE IF NOT EXISTS events (
     timestamp  REAL NOT NULL,
     server     TEXT NOT NULL,
     purge      INTEGER NOT NULL,
-    files      TEXT NOT NULL
+    files      TEXT NOT NULL,
+    meta       TEXT            -- JSON {"location", "tableObj"}, or NULL
 );
 
 CREATE TABLE IF NOT EXISTS txs (
@@ -153,6 +154,8 @@ class Event:
     server: str
     purge: bool = False
     files: list[dict[str, Any]] = field(default_factory=list)
+    location: str | None = None  # the table's (or database's) location, as a path key
+    table_obj: dict[str, Any] | None = None  # the table definition at event time
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -165,6 +168,8 @@ class Event:
             "server": self.server,
             "purge": self.purge,
             "files": self.files,
+            "location": self.location,
+            "tableObj": self.table_obj,
         }
 
 
@@ -198,6 +203,7 @@ class Index:
         # (0.13 s -> 0.25 s by 40,000 entries). 64 MiB keeps it flat at that size.
         self._db.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
         self._db.executescript(SCHEMA)
+        _migrate(self._db)
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
 
@@ -367,16 +373,29 @@ class Index:
 
     def events(self, start: int = 0, limit: int = 100) -> list[Event]:
         rows = self._query(
-            "SELECT id, type, db, tbl, partitions, timestamp, server, purge, files FROM events"
-            " WHERE id >= ? ORDER BY id LIMIT ?",
+            "SELECT id, type, db, tbl, partitions, timestamp, server, purge, files, meta"
+            " FROM events WHERE id >= ? ORDER BY id LIMIT ?",
             (start, limit),
         )
-        return [
-            Event(
-                r[0], r[1], r[2], r[3], json.loads(r[4]), r[5], r[6], bool(r[7]), json.loads(r[8])
+        out = []
+        for r in rows:
+            meta = json.loads(r[9]) if r[9] is not None else {}
+            out.append(
+                Event(
+                    r[0],
+                    r[1],
+                    r[2],
+                    r[3],
+                    json.loads(r[4]),
+                    r[5],
+                    r[6],
+                    bool(r[7]),
+                    json.loads(r[8]),
+                    meta.get("location"),
+                    meta.get("tableObj"),
+                )
             )
-            for r in rows
-        ]
+        return out
 
     def current_event_id(self) -> int:
         return int(self._query("SELECT coalesce(max(id), 0) FROM events")[0][0])
@@ -480,10 +499,25 @@ def _drop_tx(db: sqlite3.Connection, txid: str) -> None:
     db.execute("DELETE FROM txs WHERE txid = ?", (txid,))
 
 
+def _migrate(db: sqlite3.Connection) -> None:
+    """Bring an index written by an older release up to SCHEMA (CREATE TABLE IF NOT EXISTS
+    leaves existing tables as they were)."""
+    columns = {r[1] for r in db.execute("PRAGMA table_info(events)")}
+    if "meta" not in columns:
+        try:
+            db.execute("ALTER TABLE events ADD COLUMN meta TEXT")
+        except sqlite3.OperationalError as e:
+            if "duplicate column" not in str(e):  # another process migrated it first
+                raise
+
+
 def _insert_event(db: sqlite3.Connection, e: Event) -> int:
+    meta = None
+    if e.location is not None or e.table_obj is not None:
+        meta = json.dumps({"location": e.location, "tableObj": e.table_obj})
     cur = db.execute(
-        "INSERT INTO events (type, db, tbl, partitions, timestamp, server, purge, files)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        "INSERT INTO events (type, db, tbl, partitions, timestamp, server, purge, files, meta)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (
             e.type,
             e.db,
@@ -493,6 +527,7 @@ def _insert_event(db: sqlite3.Connection, e: Event) -> int:
             e.server,
             int(e.purge),
             json.dumps(e.files),
+            meta,
         ),
     )
     assert cur.lastrowid is not None

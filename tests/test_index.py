@@ -321,3 +321,47 @@ def test_concurrent_commits_from_threads(index: Index) -> None:
     assert counts(index)["entries"] == 120
     assert counts(index)["events"] == 120
     assert counts(index)["objects"] == 30
+
+
+def test_event_location_and_table_obj_round_trip(index: Index) -> None:
+    obj = {"db": "db", "table": "t", "columns": [{"name": "a", "type": "int", "comment": None}]}
+    plain = index.add_event(event("CREATE_DATABASE"))
+    rich = index.add_event(
+        Event(0, "CREATE_TABLE", "db", "t", [], 1.0, "host", location="/wh/db.db/t", table_obj=obj)
+    )
+    by_id = {e.id: e for e in index.events()}
+    assert (by_id[plain].location, by_id[plain].table_obj) == (None, None)
+    assert (by_id[rich].location, by_id[rich].table_obj) == ("/wh/db.db/t", obj)
+    assert by_id[rich].to_json()["location"] == "/wh/db.db/t"
+    assert by_id[rich].to_json()["tableObj"] == obj
+    assert by_id[plain].to_json()["tableObj"] is None
+
+
+def test_an_index_from_before_event_meta_is_migrated(tmp_path: Path) -> None:
+    """An index written before events had a `meta` column opens, keeps its events and
+    records the new fields."""
+    p = str(tmp_path / "old.sqlite")
+    old = sqlite3.connect(p)
+    old.executescript(
+        "CREATE TABLE events (id INTEGER PRIMARY KEY AUTOINCREMENT, type TEXT NOT NULL,"
+        " db TEXT, tbl TEXT, partitions TEXT NOT NULL, timestamp REAL NOT NULL,"
+        " server TEXT NOT NULL, purge INTEGER NOT NULL, files TEXT NOT NULL);"
+        "INSERT INTO events (type, db, tbl, partitions, timestamp, server, purge, files)"
+        " VALUES ('DROP_TABLE', 'db', 't', '[]', 1.0, 'host', 0, '[]');"
+    )
+    old.commit()
+    old.close()
+    ix = Index(p)
+    try:
+        [before] = ix.events()
+        assert (before.type, before.location, before.table_obj) == ("DROP_TABLE", None, None)
+        new = ix.add_event(
+            Event(0, "INSERT", "db", "t", [], 2.0, "host", location="/wh/t", table_obj={"a": 1})
+        )
+        assert [(e.id, e.location, e.table_obj) for e in ix.events()] == [
+            (before.id, None, None),
+            (new, "/wh/t", {"a": 1}),
+        ]
+    finally:
+        ix.close()
+    Index(p).close()  # a second open finds the column there and leaves it

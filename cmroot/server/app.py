@@ -276,7 +276,9 @@ def _bool_query(request: web.Request, name: str) -> bool:
 
 async def recycle(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
-    body = await _body(request, {"paths", "mode", "purge", "op", "db", "table", "partitions"})
+    body = await _body(
+        request, {"paths", "mode", "purge", "op", "db", "table", "partitions", "location"}
+    )
     for name in ("mode", "op"):
         # RecycleRequest.validate tests these against frozensets: a list would raise
         # TypeError (unhashable) and answer 500 instead of 400.
@@ -290,6 +292,7 @@ async def recycle(request: web.Request) -> web.Response:
         db=body.get("db"),
         table=body.get("table"),
         partitions=body.get("partitions") or [],
+        location=body.get("location"),
     )
     req.validate()
     try:
@@ -438,7 +441,18 @@ async def current_event(request: web.Request) -> web.Response:
 async def add_event(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     body = await _body(
-        request, {"eventType", "db", "table", "partitions", "files", "server", "timestamp"}
+        request,
+        {
+            "eventType",
+            "db",
+            "table",
+            "partitions",
+            "files",
+            "server",
+            "timestamp",
+            "location",
+            "tableObj",
+        },
     )
     for name in ("eventType", "db", "table", "server"):
         if body.get(name) is not None and not isinstance(body[name], str):
@@ -453,6 +467,8 @@ async def add_event(request: web.Request) -> web.Response:
         body.get("partitions") or [],
         body.get("files") or [],
         body.get("server"),
+        body.get("location"),
+        body.get("tableObj"),
     )
     return _json({"id": event_id})
 

@@ -28,14 +28,27 @@ from cmroot.store.recycle import (
 )
 from cmroot.store.resolve import Resolution, Resolver, parse_pairs
 from cmroot.store.sweep import SweepReport, sweep
-from cmroot.store.warehouse import Warehouse
+from cmroot.store.warehouse import Located, Warehouse
 
 __all__ = ["EVENT_TYPES", "FileRef", "RecycleRequest", "RecycleResult", "Resolution", "Store"]
 
 log = logging.getLogger(__name__)
 
-EVENT_TYPES = frozenset(
-    {"CREATE_DATABASE", "CREATE_TABLE", "ADD_PARTITION", "INSERT", "ALTER_TABLE", "DROP_DATABASE"}
+# Drops of a table or partition that held no data (empty, external, outside the roots):
+# nothing to recycle, but replication must still replay them.
+METADATA_DROPS = frozenset({"DROP_TABLE", "DROP_PARTITION"})
+EVENT_TYPES = (
+    frozenset(
+        {
+            "CREATE_DATABASE",
+            "CREATE_TABLE",
+            "ADD_PARTITION",
+            "INSERT",
+            "ALTER_TABLE",
+            "DROP_DATABASE",
+        }
+    )
+    | METADATA_DROPS
 )
 
 
@@ -112,25 +125,27 @@ class Store:
         partitions: list[dict[str, str]] | None = None,
         files: list[dict[str, Any]] | None = None,
         server: str | None = None,
+        location: str | None = None,
+        table_obj: dict[str, Any] | None = None,
     ) -> int:
-        """Record a non-destructive event (CREATE_TABLE, ADD_PARTITION, INSERT, ...)."""
+        """Record a non-destructive event (CREATE_TABLE, ADD_PARTITION, INSERT, ...), or a
+        drop that held no data. A file given without its checksum is hashed here, from disk:
+        the hook then need not read the bytes it just wrote."""
         if type not in EVENT_TYPES:
             raise BadRequest(
                 "unknown eventType", f"{type!r}: use one of {', '.join(sorted(EVENT_TYPES))}"
             )
-        validate_partitions(partitions or [])
-        clean = []
-        for i, f in enumerate(files or []):
-            if not isinstance(f, dict) or not isinstance(f.get("size", 0), int):
-                raise BadRequest(f"bad file #{i}", 'each file is {"path", "checksum", "size"}')
-            loc = self.warehouse.locate(f.get("path"))
-            clean.append(
-                {
-                    "path": loc.key,
-                    "checksum": cks.validate(f.get("checksum")),
-                    "size": f.get("size", 0),
-                }
+        if type in METADATA_DROPS and files:
+            raise BadRequest(
+                f"{type} with files",
+                "files of a drop go through POST /v1/recycle; POST /v1/events records only a "
+                "drop that held no data",
             )
+        if table_obj is not None and not isinstance(table_obj, dict):
+            raise BadRequest("bad tableObj", "give the table definition as a JSON object")
+        validate_partitions(partitions or [])
+        where = self.warehouse.locate(location).key if location is not None else None
+        clean = self._event_files(files or [])
         return self.index.add_event(
             Event(
                 0,
@@ -142,8 +157,36 @@ class Store:
                 server or self.recycler.server,
                 False,
                 clean,
+                where,
+                table_obj,
             )
         )
+
+    def _event_files(self, files: list[Any]) -> list[dict[str, Any]]:
+        """Confine and check every file first, so a bad one refuses the event before any
+        hashing; then hash, together, those that came without a checksum."""
+        clean: list[dict[str, Any]] = []
+        unhashed: list[tuple[int, Located]] = []
+        for i, f in enumerate(files):
+            if not isinstance(f, dict) or not isinstance(f.get("size", 0), int):
+                raise BadRequest(f"bad file #{i}", 'each file is {"path", "checksum", "size"}')
+            loc = self.warehouse.locate(f.get("path"))
+            if "checksum" in f or "size" in f:
+                checksum = cks.validate(f.get("checksum"))
+                clean.append({"path": loc.key, "checksum": checksum, "size": f.get("size", 0)})
+            else:
+                self.warehouse.confirm(loc)
+                unhashed.append((i, loc))
+                clean.append({"path": loc.key})
+        found = [(i, loc, self.resolver.original(loc)) for i, loc in unhashed]
+        for i, loc, original in found:
+            if original is None:
+                raise NotFound("no such file", f"file #{i} {loc.key} is not a file on disk")
+        sums = self.resolver.checksums([o for _, _, o in found if o is not None])
+        for i, loc, original in found:
+            clean[i]["checksum"] = sums[loc.key]
+            clean[i]["size"] = original.size if original is not None else 0
+        return clean
 
     def gc(
         self, dry_run: bool = False, progress: Callable[[int], None] | None = None

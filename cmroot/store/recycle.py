@@ -23,7 +23,7 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import fsspec
@@ -56,6 +56,7 @@ class RecycleRequest:
     db: str | None = None
     table: str | None = None
     partitions: Sequence[dict[str, str]] = ()
+    location: str | None = None  # the table's location, recorded on the event
 
     def validate(self) -> None:
         if (
@@ -88,6 +89,7 @@ class RecycleRequest:
             "db": self.db,
             "table": self.table,
             "partitions": [dict(p) for p in self.partitions],
+            "location": self.location,
         }
 
 
@@ -145,6 +147,8 @@ class Recycler:
 
     def recycle(self, req: RecycleRequest, progress: Progress | None = None) -> RecycleResult:
         req.validate()
+        if req.location is not None:
+            req = replace(req, location=self.warehouse.locate(req.location).key)
         located = [self.warehouse.locate(p) for p in req.paths]
         files, dirs = self.warehouse.expand(located)
         txid = uuid.uuid4().hex
@@ -253,6 +257,7 @@ class Recycler:
             server=self.server,
             purge=req.purge,
             files=[{"path": e.path, "checksum": e.checksum, "size": e.size} for e in entries],
+            location=req.location,
         )
         return self.index.commit_recycle(txid, event, entries)
 

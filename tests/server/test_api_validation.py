@@ -281,7 +281,8 @@ def test_events_rejects_destructive_and_malformed_events(lake: Daemon) -> None:
     for raw in (b"{", b"[]", b"null"):
         _check(d, "POST", "/v1/events", 400, raw=raw)
     for body, status, words in [
-        ({**base, "eventType": "DROP_TABLE"}, 400, ["eventType"]),
+        ({**base, "eventType": "TRUNCATE"}, 400, ["eventType"]),
+        ({**base, "eventType": "DROP_TABLE", "files": [f]}, 400, ["/v1/recycle"]),
         ({**base, "eventType": "NUKE"}, 400, ["eventType"]),
         ({**base, "eventType": ["CREATE_TABLE"]}, 400, ["eventType"]),
         ({**base, "eventType": None}, 400, ["eventType"]),

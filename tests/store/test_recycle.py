@@ -321,7 +321,9 @@ def test_add_event_records_files_and_validates(env, store: Store) -> None:
     assert ev.type == "INSERT" and ev.files == [{"path": p, "checksum": c, "size": 1}]
     assert ev.to_json()["eventType"] == "INSERT"
     with pytest.raises(BadRequest, match="eventType"):
-        store.add_event("DROP_TABLE", "db", "t")  # destructive ops go through recycle
+        store.add_event("TRUNCATE", "db", "t")  # destructive ops go through recycle
+    with pytest.raises(BadRequest, match="/v1/recycle"):
+        store.add_event("DROP_TABLE", "db", "t", files=[{"path": p, "checksum": c, "size": 1}])
     with pytest.raises(BadRequest, match="checksum"):
         store.add_event("INSERT", files=[{"path": p, "checksum": "XYZ", "size": 1}])
     with pytest.raises(OutsideRoots):
