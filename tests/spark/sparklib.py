@@ -31,8 +31,11 @@ def free_port() -> int:
 class Daemon:
     """`cmroot serve` on loopback over <base>/cmroot, with <base>/warehouse as its root."""
 
-    def __init__(self, base: Path, port: int | None = None) -> None:
+    def __init__(
+        self, base: Path, port: int | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.base = base
+        self.extra_env = env or {}
         self.warehouse = base / "warehouse"
         self.store = base / "cmroot"
         self.warehouse.mkdir(parents=True, exist_ok=True)
@@ -52,6 +55,7 @@ class Daemon:
             CMROOT_CONFIG="",
             PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
         )
+        env.update(self.extra_env)
         return env
 
     def start(self) -> Daemon:
@@ -98,31 +102,37 @@ class Daemon:
         return self.client.current_event()
 
 
-def spark_builder(base: Path, warehouse: Path, app: str = "cmroot-test") -> Any:
-    """local[2], Hive support, Derby metastore and scratch dirs under `base`."""
-    from pyspark.sql import SparkSession
-
+def spark_settings(base: Path, warehouse: Path) -> dict[str, str]:
+    """local[2], an embedded Derby metastore and scratch dirs under `base`: as Spark conf,
+    for a builder here or `--with` options of a `cmroot repl` subprocess."""
     derby = base / "derby"
     derby.mkdir(parents=True, exist_ok=True)
-    return (
-        SparkSession.builder.master("local[2]")
-        .appName(app)
-        .config("spark.sql.warehouse.dir", str(warehouse))
-        .config(
-            "spark.hadoop.javax.jdo.option.ConnectionURL",
+    return {
+        "spark.master": "local[2]",
+        "spark.sql.warehouse.dir": str(warehouse),
+        "spark.hadoop.javax.jdo.option.ConnectionURL":
             f"jdbc:derby:;databaseName={base}/metastore_db;create=true",
-        )
-        .config("spark.driver.extraJavaOptions", f"-Dderby.system.home={derby}")
-        .config("spark.hadoop.hive.exec.scratchdir", str(base / "hive-scratch"))
-        .config("spark.local.dir", str(base / "spark-local"))
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.default.parallelism", "2")
-        .config("spark.sql.adaptive.enabled", "false")
-        .config("spark.driver.memory", "1g")
-        .config("spark.hadoop.hive.exec.dynamic.partition.mode", "nonstrict")
-        .enableHiveSupport()
-    )
+        "spark.driver.extraJavaOptions": f"-Dderby.system.home={derby}",
+        "spark.hadoop.hive.exec.scratchdir": str(base / "hive-scratch"),
+        "spark.local.dir": str(base / "spark-local"),
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.sql.shuffle.partitions": "2",
+        "spark.default.parallelism": "2",
+        "spark.sql.adaptive.enabled": "false",
+        "spark.driver.memory": "1g",
+        "spark.hadoop.hive.exec.dynamic.partition.mode": "nonstrict",
+    }
+
+
+def spark_builder(base: Path, warehouse: Path, app: str = "cmroot-test") -> Any:
+    """A builder with `spark_settings` and Hive support."""
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.appName(app)
+    for k, v in spark_settings(base, warehouse).items():
+        builder = builder.config(k, v)
+    return builder.enableHiveSupport()
 
 
 def fresh_jvm_if_needed(jar: str | None) -> None:

@@ -1,0 +1,133 @@
+"""A hooked source (a real daemon on loopback and a PySpark local[2] session with the
+cmroot hook and its own Derby metastore, in this process) and destinations (each a
+warehouse and metastore of its own, driven in a subprocess: one JVM holds one metastore)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cmroot.repl import dump
+from cmroot.repl.dumpdir import Header
+from tests.spark.sparklib import (
+    REPO,
+    Daemon,
+    fresh_jvm_if_needed,
+    release_filesystems,
+    spark_builder,
+    spark_settings,
+)
+
+# Tables of the `expiring` database keep their recycled files for one second only.
+RETAIN_OVERRIDES = "expiring.*=1s"
+
+
+@dataclass
+class Source:
+    base: Path
+    daemon: Daemon
+    spark: Any
+
+    @property
+    def warehouse(self) -> Path:
+        return self.daemon.warehouse
+
+    def sql(self, q: str) -> list[Any]:
+        return list(self.spark.sql(q).collect())
+
+    def rows(self, q: str) -> list[list[Any]]:
+        return sorted(list(r) for r in self.sql(q))
+
+    def table_dir(self, db: str, table: str) -> Path:
+        return self.warehouse / f"{db}.db" / table
+
+    def data_files(self, db: str, table: str) -> list[str]:
+        """Data file paths relative to the table directory (hidden names left out)."""
+        root = self.table_dir(db, table)
+        return sorted(
+            os.path.relpath(os.path.join(d, f), root)
+            for d, subdirs, fs in os.walk(root)
+            for f in fs
+            if not f.startswith((".", "_")) and "/." not in d[len(str(root)):]
+        )
+
+    def dump(self, scope: str, from_id: int | None = None, **kw: Any) -> tuple[str, Header]:
+        db, _, table = scope.partition(".")
+        return dump(self.daemon.client, db, table or None, str(self.base / "dumps"), from_id,
+                    spark=self.spark, **kw)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Source]:
+    pytest.importorskip("pyspark")
+    from cmroot import spark as cmspark
+
+    base = tmp_path_factory.mktemp("source")
+    daemon = Daemon(base, env={"CMROOT_STORE_RETAIN_OVERRIDES": RETAIN_OVERRIDES}).start()
+    jar = cmspark.build_jar()
+    fresh_jvm_if_needed(jar)
+    spark = cmspark.configure(spark_builder(base, daemon.warehouse), url=daemon.url,
+                              jar=jar).getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    try:
+        yield Source(base, daemon, spark)
+    finally:
+        spark.stop()
+        release_filesystems()
+        daemon.stop()
+
+
+class Destination:
+    """A warehouse and metastore under `base`, loaded and queried from subprocesses."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.warehouse = base / "warehouse"
+        self.plans = 0
+        base.mkdir(parents=True, exist_ok=True)
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get(
+            "PYTHONPATH", "")}
+
+    def run(self, *steps: dict[str, Any]) -> list[dict[str, Any]]:
+        """Run the steps (see tests/repl/destination.py) in one destination process."""
+        self.plans += 1
+        plan = self.base / f"plan-{self.plans}.json"
+        plan.write_text(json.dumps({"base": str(self.base), "steps": list(steps)}))
+        res = subprocess.run(
+            [sys.executable, "-m", "tests.repl.destination", str(plan)],
+            capture_output=True, text=True, env=self.env(), cwd=REPO, timeout=600,
+        )
+        assert res.returncode == 0, res.stderr[-5000:]
+        answers: list[dict[str, Any]] = json.loads(res.stdout.strip().splitlines()[-1])
+        return answers
+
+    def with_args(self) -> list[str]:
+        out = []
+        for k, v in spark_settings(self.base, self.warehouse).items():
+            out += ["--with", f"{k}={v}"]
+        return out
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """`cmroot repl ...` against this destination."""
+        res = subprocess.run(
+            [sys.executable, "-m", "cmroot.cli", "repl", *args, *self.with_args()],
+            capture_output=True, text=True, env=self.env(), cwd=REPO, timeout=600,
+        )
+        if check:
+            assert res.returncode == 0, res.stderr[-5000:]
+        return res
+
+
+@pytest.fixture
+def destination(tmp_path: Path) -> Destination:
+    return Destination(tmp_path / "destination")

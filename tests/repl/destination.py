@@ -1,0 +1,69 @@
+"""A destination warehouse for the replication tests, in its own process (one JVM holds
+one Hive metastore, and the source's lives in the test process).
+
+    python -m tests.repl.destination PLAN.json
+
+PLAN: {"base": DIR, "steps": [STEP, ...]}; a STEP may hold "load": {"dump": URL,
+"target": NAME|null}, "queries": {NAME: SQL}, "status": [SCOPE], "partitions": [TABLE],
+"files": [DB.TABLE]. Steps run in order in one Spark session; a failed load is reported
+and the later steps still run. The answer is one JSON line on stdout: a list with, per
+step, {"load": result | {"error", "detail", "kind"}, "rows": {NAME: rows},
+"status": {SCOPE: id|null}, "partitions": {TABLE: [...]}, "files": {TABLE: [paths]}}."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def main(plan_path: str) -> int:
+    plan = json.loads(Path(plan_path).read_text())
+    base = Path(plan["base"])
+    from cmroot.exceptions import CmrootError
+    from cmroot.repl import load, status
+    from cmroot.repl.session import session
+    from tests.spark.sparklib import spark_settings
+
+    spark = session("cmroot-test-destination", spark_settings(base, base / "warehouse"))
+    spark.sparkContext.setLogLevel("ERROR")
+    answers = []
+    for step in plan["steps"]:
+        out: dict[str, Any] = {"rows": {}, "status": {}, "partitions": {}, "files": {}}
+        if "load" in step:
+            try:
+                out["load"] = load(spark, step["load"]["dump"], step["load"].get("target"))
+                out["load"] = out["load"].to_json()
+            except CmrootError as e:
+                out["load"] = {"error": e.message, "detail": e.detail, "kind": type(e).__name__}
+        for name, sql in step.get("queries", {}).items():
+            try:
+                out["rows"][name] = sorted(list(r) for r in spark.sql(sql).collect())
+            except Exception as e:  # e.g. a table the load did not create
+                out["rows"][name] = {"error": str(e).splitlines()[0]}
+        for scope in step.get("status", []):
+            db, _, table = scope.partition(".")
+            out["status"][scope] = status(spark, db, table or None)
+        for table in step.get("partitions", []):
+            try:
+                out["partitions"][table] = sorted(
+                    r[0] for r in spark.sql(f"SHOW PARTITIONS {table}").collect()
+                )
+            except Exception as e:
+                out["partitions"][table] = {"error": str(e).splitlines()[0]}
+        for table in step.get("files", []):
+            db, _, t = table.partition(".")
+            root = base / "warehouse" / f"{db}.db" / t
+            out["files"][table] = sorted(
+                os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs
+            )
+        answers.append(out)
+    spark.stop()
+    print(json.dumps(answers, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,242 @@
+"""Replication end to end: a hooked source (real PySpark, real daemon on loopback) dumps,
+a destination (its own Spark and metastore, in a subprocess) loads, and the destination
+holds exactly the rows the source held at the dump's last event."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.repl.conftest import Destination, Source
+from tests.spark.sparklib import REPO
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_no_rubber_banding(source: Source, destination: Destination) -> None:
+    """The Hive replication v2 scenario: files the dump names are dropped and their
+    partition recreated with other data before the load; the load still shows the state
+    of the dump's last event, with the dropped files served from the cmroot."""
+    start = source.daemon.current()
+    source.sql("CREATE DATABASE rb")
+    source.sql("CREATE TABLE rb.t (a INT, p STRING) USING parquet PARTITIONED BY (p)")
+    source.sql("INSERT INTO rb.t PARTITION (p='a') VALUES (1), (2)")
+    source.sql("INSERT INTO rb.t PARTITION (p='b') VALUES (3)")
+    source.sql("INSERT INTO rb.t PARTITION (p='a') VALUES (4)")
+    at_dump = source.rows("SELECT a, p FROM rb.t")
+    files_at_dump = source.data_files("rb", "t")
+    url, header = source.dump("rb", from_id=start)
+    assert header.kind == "incremental" and header.last_event_id > start
+
+    source.sql("ALTER TABLE rb.t DROP PARTITION (p='a')")
+    source.sql("INSERT INTO rb.t PARTITION (p='a') VALUES (100)")
+    dropped = [f for f in files_at_dump if f.startswith("p=a/")]
+    assert dropped and not any((source.table_dir("rb", "t") / f).exists() for f in dropped)
+    url2, header2 = source.dump("rb", from_id=header.last_event_id)
+
+    query = {"t": "SELECT a, p FROM rb.t"}
+    first, second, again = destination.run(
+        {"load": {"dump": url}, "queries": query, "status": ["rb"], "files": ["rb.t"],
+         "partitions": ["rb.t"]},
+        {"load": {"dump": url2}, "queries": query, "status": ["rb"]},
+        {"load": {"dump": url2}, "queries": query, "status": ["rb"]},
+    )
+    assert first["rows"]["t"] == at_dump == [[1, "a"], [2, "a"], [3, "b"], [4, "a"]]
+    assert first["load"]["sources"]["cmroot"] == len(dropped)
+    assert first["files"]["rb.t"] == files_at_dump
+    assert first["partitions"]["rb.t"] == ["p=a", "p=b"]
+    assert first["status"]["rb"] == header.last_event_id
+    now = source.rows("SELECT a, p FROM rb.t")
+    assert second["rows"]["t"] == now == [[3, "b"], [100, "a"]]
+    assert second["status"]["rb"] == header2.last_event_id
+    assert again["rows"]["t"] == now and again["load"]["events"] == 0
+
+
+def test_bootstrap_while_a_writer_adds_and_drops(source: Source, destination: Destination) -> None:
+    source.sql("CREATE DATABASE bs")
+    source.sql("CREATE TABLE bs.t (a BIGINT, p INT) USING parquet PARTITIONED BY (p)")
+    source.sql("CREATE TABLE bs.flat (a BIGINT) USING parquet")
+    source.sql("INSERT INTO bs.t SELECT /*+ REPARTITION(8) */ id, id % 6 FROM range(600)")
+    source.sql("INSERT INTO bs.flat SELECT id FROM range(50)")
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        i = 100
+        try:
+            while not stop.is_set():
+                source.sql(f"INSERT INTO bs.t PARTITION (p={i}) VALUES ({i}), ({i + 1})")
+                source.sql(f"ALTER TABLE bs.t DROP IF EXISTS PARTITION (p={i - 2})")
+                source.sql(f"INSERT INTO bs.flat VALUES ({i})")
+                i += 1
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        time.sleep(1.0)
+        for _ in range(5):  # until events land while the snapshot is taken
+            url, header = source.dump("bs")
+            if header.last_event_id > header.first_event_id:
+                break
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        t.join()
+    assert not errors, errors
+    assert header.kind == "bootstrap" and header.last_event_id > header.first_event_id
+    url2, header2 = source.dump("bs", from_id=header.last_event_id)
+    queries = {"t": "SELECT a, p FROM bs.t", "flat": "SELECT a FROM bs.flat"}
+    boot, inc = destination.run(
+        {"load": {"dump": url}, "status": ["bs"]},
+        {"load": {"dump": url2}, "queries": queries, "status": ["bs"],
+         "partitions": ["bs.t"], "files": ["bs.t", "bs.flat"]},
+    )
+    assert boot["status"]["bs"] == header.last_event_id, boot
+    assert inc["rows"]["t"] == source.rows(queries["t"])
+    assert inc["rows"]["flat"] == source.rows(queries["flat"])
+    assert inc["partitions"]["bs.t"] == sorted(r[0] for r in source.sql("SHOW PARTITIONS bs.t"))
+    assert inc["files"]["bs.t"] == source.data_files("bs", "t")
+    assert inc["files"]["bs.flat"] == source.data_files("bs", "flat")
+    assert inc["status"]["bs"] == header2.last_event_id
+
+
+def test_driver_killed_midway_then_rerun(source: Source, destination: Destination) -> None:
+    """kill -9 of the load's spark-submit while files are being copied; the rerun ends
+    with exactly the source's rows and files, no duplicates, no temporaries."""
+    start = source.daemon.current()
+    source.sql("CREATE DATABASE kl")
+    source.sql("CREATE TABLE kl.t (a BIGINT, s STRING, p INT) USING parquet PARTITIONED BY (p)")
+    source.sql("INSERT INTO kl.t SELECT /*+ REPARTITION(64) */ id, "
+               "sha2(CAST(id * rand() AS STRING), 512), id % 4 FROM range(300000)")
+    source.sql("INSERT OVERWRITE TABLE kl.t PARTITION (p=1) SELECT id, 'x', 1 FROM range(10)")
+    source.sql("INSERT INTO kl.t SELECT /*+ REPARTITION(64) */ id, "
+               "sha2(CAST(id * rand() AS STRING), 512), 5 FROM range(100000)")
+    url, header = source.dump("kl", from_id=start)
+    table = destination.warehouse / "kl.db" / "t"
+    cmd = ["spark-submit", "--master", "local[2]", str(REPO / "cmd" / "repl_load.py"),
+           "--from-dir", url, *destination.with_args()]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=destination.env(), cwd=REPO, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not _copying(table):
+            assert proc.poll() is None, "the load ended before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    res = destination.cli("load", "--from-dir", url, "--json")
+    assert json.loads(res.stdout)["last_event_id"] == header.last_event_id
+    (after,) = destination.run({"queries": {"t": "SELECT count(*), count(DISTINCT a, p), "
+                                                 "sum(a), sum(p) FROM kl.t"},
+                                "files": ["kl.t"], "status": ["kl"]})
+    expected = source.rows("SELECT count(*), count(DISTINCT a, p), sum(a), sum(p) FROM kl.t")
+    assert after["rows"]["t"] == expected
+    assert after["files"]["kl.t"] == source.data_files("kl", "t")
+    assert after["status"]["kl"] == header.last_event_id
+
+
+def _copying(table: Path) -> bool:
+    """Has the load started putting files under the table directory?"""
+    return any(files for _, _, files in os.walk(table))
+
+
+def test_file_expired_from_the_cmroot(source: Source, destination: Destination) -> None:
+    """Retention shorter than the lag: the load fails naming the file and the fix, and the
+    destination keeps its state from before that event."""
+    start = source.daemon.current()
+    source.sql("CREATE DATABASE expiring")
+    source.sql("CREATE TABLE expiring.t (a INT, p INT) USING parquet PARTITIONED BY (p)")
+    source.sql("INSERT INTO expiring.t VALUES (1, 1)")
+    url1, h1 = source.dump("expiring", from_id=start)
+    source.sql("INSERT INTO expiring.t VALUES (2, 2)")
+    url2, _ = source.dump("expiring", from_id=h1.last_event_id)
+    lost = source.data_files("expiring", "t")
+    source.sql("ALTER TABLE expiring.t DROP PARTITION (p=2)")
+    time.sleep(1.5)
+    report = source.daemon.client.gc()
+    assert report["removed_objects"] >= 1
+    first, second = destination.run(
+        {"load": {"dump": url1}, "status": ["expiring"]},
+        {"load": {"dump": url2}, "queries": {"t": "SELECT a, p FROM expiring.t"},
+         "status": ["expiring"], "partitions": ["expiring.t"], "files": ["expiring.t"]},
+    )
+    assert first["status"]["expiring"] == h1.last_event_id
+    err = second["load"]
+    assert err["kind"] == "FileLost", err
+    p2 = next(f for f in lost if f.startswith("p=2/"))
+    assert p2 in err["error"] + err["detail"]
+    assert "retention" in err["detail"] and "bootstrap" in err["detail"]
+    assert second["rows"]["t"] == [[1, 1]]
+    assert second["partitions"]["expiring.t"] == ["p=1"]
+    assert second["files"]["expiring.t"] == [f for f in lost if f.startswith("p=1/")]
+    assert second["status"]["expiring"] == h1.last_event_id
+
+
+def test_one_table_renamed_on_load_through_the_cli(
+    source: Source, destination: Destination, tmp_path: Path
+) -> None:
+    start = source.daemon.current()
+    source.sql("CREATE DATABASE one")
+    source.sql("CREATE TABLE one.t (a INT) USING parquet")
+    source.sql("CREATE TABLE one.other (a INT) USING parquet")
+    source.sql("INSERT INTO one.t VALUES (1), (2)")
+    source.sql("INSERT INTO one.other VALUES (9)")
+    source.sql("INSERT OVERWRITE TABLE one.t VALUES (3)")
+    dumps = tmp_path / "dumps"
+    res = subprocess.run(
+        [sys.executable, "-m", "cmroot.cli", "repl", "dump", "one.t", "--from", str(start),
+         "--to-dir", str(dumps), "--url", source.daemon.url, "--json"],
+        capture_output=True, text=True, env=destination.env(), cwd=REPO, check=True,
+    )
+    out = json.loads(res.stdout)
+    assert out["kind"] == "incremental" and out["events"] >= 4
+    destination.cli("load", "dr.copy", "--from-dir", out["dump_dir"])
+    status = destination.cli("status", "dr.copy").stdout.strip()
+    assert status == str(out["last_event_id"])
+    assert destination.cli("status", "dr.never").stdout.strip() == ""
+    (got,) = destination.run({"queries": {"copy": "SELECT a FROM dr.copy",
+                                          "tables": "SHOW TABLES IN dr"}})
+    assert got["rows"]["copy"] == [[3]]
+    assert [r[1] for r in got["rows"]["tables"]] == ["copy"]
+
+
+def test_refusals_change_nothing(source: Source, destination: Destination) -> None:
+    """A dump that starts after what the destination has, and a bootstrap over a database
+    that is not its replica, are refused and leave the destination as it was."""
+    start = source.daemon.current()
+    source.sql("CREATE DATABASE rf")
+    source.sql("CREATE TABLE rf.t (a INT) USING parquet")
+    source.sql("INSERT INTO rf.t VALUES (1)")
+    url1, h1 = source.dump("rf", from_id=start)
+    source.sql("INSERT INTO rf.t VALUES (2)")
+    _, h2 = source.dump("rf", from_id=h1.last_event_id)
+    source.sql("INSERT INTO rf.t VALUES (3)")
+    url3, _ = source.dump("rf", from_id=h2.last_event_id)  # skips the second dump
+    boot, _ = source.dump("rf")
+    q = {"t": "SELECT a FROM rf.t"}
+    first, gap, over = destination.run(
+        {"load": {"dump": url1}, "queries": q, "status": ["rf"]},
+        {"load": {"dump": url3}, "queries": q, "status": ["rf"]},
+        {"load": {"dump": boot}, "queries": q, "status": ["rf"], "files": ["rf.t"]},
+    )
+    assert first["rows"]["t"] == [[1]]
+    assert gap["load"]["kind"] == "ReplError" and "--from" in gap["load"]["detail"]
+    assert over["load"]["kind"] == "ReplError" and "already exists" in over["load"]["error"]
+    for step in (gap, over):
+        assert step["rows"]["t"] == [[1]] and step["status"]["rf"] == h1.last_event_id
+    assert len(over["files"]["rf.t"]) == 1
