@@ -1,5 +1,6 @@
 """cmroot for Spark: the conf lines that route every destructive operation of a Spark
-application through the cmroot daemon.
+application through the cmroot daemon, and record in its event log the other changes
+replication replays.
 
     from cmroot.spark import configure
     spark = configure(SparkSession.builder, url="http://127.0.0.1:9750").getOrCreate()
@@ -9,8 +10,8 @@ or, for `spark-submit`, `spark-sql`, `pyspark` or spark-defaults.conf, `cmroot s
 The JVM side is a thin shim (Java source in `cmroot/spark/java/`), compiled on first use
 with the JDK's `javac` against the jars of the installed pyspark and cached as a jar under
 `~/.cache/cmroot/` (`$CMROOT_SPARK_CACHE` overrides), keyed by a hash of the sources, the
-Spark version and the Java version. It tells the daemon what to recycle; the store logic
-stays in the daemon. See the README section "Spark" for what each part hooks.
+Spark version and the Java version. It tells the daemon what to recycle and what changed;
+the store logic stays in the daemon. See the README section "Spark" for what each part hooks.
 """
 
 from __future__ import annotations
@@ -45,12 +46,14 @@ CLASSES = {
     "filesystem": f"{PACKAGE}.CmrootLocalFileSystem",
     "commit_protocol": f"{PACKAGE}.CmrootCommitProtocol",
     "metastore_listener": f"{PACKAGE}.CmrootMetastoreListener",
+    "metastore_events": f"{PACKAGE}.CmrootMetastoreEvents",
 }
 DEFAULT_URL = "http://127.0.0.1:9750"
 # Keys whose values are lists: configure() appends to what the builder already has.
 _LIST_KEYS = {
     "spark.sql.extensions": ",",
     "spark.hadoop.hive.metastore.pre.event.listeners": ",",
+    "spark.hadoop.hive.metastore.event.listeners": ",",
     "spark.driver.extraClassPath": os.pathsep,
     "spark.executor.extraClassPath": os.pathsep,
 }
@@ -168,6 +171,7 @@ def spark_conf(
         "spark.hadoop.fs.file.impl": CLASSES["filesystem"],
         "spark.sql.sources.commitProtocolClass": CLASSES["commit_protocol"],
         "spark.hadoop.hive.metastore.pre.event.listeners": CLASSES["metastore_listener"],
+        "spark.hadoop.hive.metastore.event.listeners": CLASSES["metastore_events"],
         "spark.cmroot.url": (url or os.environ.get("CMROOT_URL") or DEFAULT_URL).rstrip("/"),
         "spark.cmroot.enabled": _bool(enabled),
         "spark.cmroot.failOpen": _bool(fail_open),

@@ -15,11 +15,11 @@ import scala.runtime.BoxedUnit;
 
 /**
  * {@code spark.sql.extensions=io.cmroot.spark.CmrootExtensions}: a check rule that looks at
- * every analyzed statement and, for a destructive one, tells the file system hook what is
+ * every analyzed statement and, for a destructive one or a write, tells the hooks what is
  * running on this thread (op, db, table, purge flag, table location), so the files it deletes
- * are recycled with that context. Any other command clears the context. Plans are matched by
- * class name and read through their accessors, so the shim does not depend on the exact
- * constructor shapes of one Spark release.
+ * are recycled, and the files it writes recorded, with that context. Any other command
+ * clears the context. Plans are matched by class name and read through their accessors, so
+ * the shim does not depend on the exact constructor shapes of one Spark release.
  */
 public class CmrootExtensions extends AbstractFunction1<SparkSessionExtensions, BoxedUnit> {
 
@@ -90,25 +90,38 @@ public class CmrootExtensions extends AbstractFunction1<SparkSessionExtensions, 
         case "TruncateTableCommand":
           return forTable("TRUNCATE", (TableIdentifier) call(plan, "tableName"), false);
         case "InsertIntoHadoopFsRelationCommand": {
-          if (call(plan, "mode") != SaveMode.Overwrite) {
-            return null;
-          }
+          String op = call(plan, "mode") == SaveMode.Overwrite ? "INSERT_OVERWRITE" : "INSERT";
           Option<?> table = (Option<?>) call(plan, "catalogTable");
           String location = Cmroot.localPath(String.valueOf(call(plan, "outputPath")));
           if (table.isDefined()) {
             TableIdentifier id = (TableIdentifier) call(table.get(), "identifier");
-            return new Cmroot.Ctx("INSERT_OVERWRITE", db(id), id.table(), false, location);
+            return new Cmroot.Ctx(op, db(id), id.table(), false, location);
           }
-          return new Cmroot.Ctx("INSERT_OVERWRITE", null, null, false, location);
+          // The inner write of a CTAS names no table: it writes the outer statement's.
+          Cmroot.Ctx outer = Cmroot.context();
+          if (outer != null && outer.table != null && location != null
+              && outer.appliesTo(location) != null) {
+            return new Cmroot.Ctx(op, outer.db, outer.table, false, outer.location,
+                outer.creating);
+          }
+          return new Cmroot.Ctx(op, null, null, false, location);
         }
         case "InsertIntoHiveTable": {
-          if (!(Boolean) call(plan, "overwrite")) {
-            return null;
-          }
+          String op = (Boolean) call(plan, "overwrite") ? "INSERT_OVERWRITE" : "INSERT";
           Object table = call(plan, "table");
           TableIdentifier id = (TableIdentifier) call(table, "identifier");
-          return new Cmroot.Ctx("INSERT_OVERWRITE", db(id), id.table(), false,
+          return new Cmroot.Ctx(op, db(id), id.table(), false,
               Cmroot.localPath(String.valueOf(call(table, "location"))));
+        }
+        case "CreateDataSourceTableAsSelectCommand": {
+          Object table = call(plan, "table");
+          TableIdentifier id = (TableIdentifier) call(table, "identifier");
+          TableIdentifier qualified = new TableIdentifier(id.table(), Option.apply(db(id)));
+          Option<?> uri = (Option<?>) call(call(table, "storage"), "locationUri");
+          Object location = uri.isDefined() ? uri.get()
+              : session.sessionState().catalog().defaultTablePath(qualified);
+          return new Cmroot.Ctx("INSERT", db(id), id.table(), false,
+              Cmroot.localPath(String.valueOf(location)), true);
         }
         default:
           return null;

@@ -38,12 +38,13 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     }
     List<String> paths = Cmroot.withChecksumSibling(local);
     Cmroot.Ctx ctx = Cmroot.contextFor(local);
-    String op = ctx == null ? "DELETE" : ctx.op;
+    String op = ctx == null ? "DELETE" : ctx.deleteOp();
     Map<String, String> part = Cmroot.partitionOf(local, ctx == null ? null : ctx.location,
         file.isDirectory());
     boolean recycled = Cmroot.recycle(paths, op, ctx == null ? null : ctx.db,
         ctx == null ? null : ctx.table, ctx != null && ctx.purge,
-        part.isEmpty() ? List.of() : List.of(part), s, "the delete of " + local);
+        part.isEmpty() ? List.of() : List.of(part), ctx == null ? null : ctx.location, s,
+        "the delete of " + local);
     if (!recycled) {
       return super.delete(f, recursive); // disabled, or failed open (logged and counted)
     }

@@ -3,10 +3,12 @@ package io.cmroot.spark;
 import java.io.File;
 import java.io.IOException;
 import java.util.ArrayList;
+import java.util.HashSet;
 import java.util.Iterator;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
+import java.util.Set;
 import org.apache.hadoop.conf.Configuration;
 import org.apache.hadoop.hive.metastore.MetaStorePreEventListener;
 import org.apache.hadoop.hive.metastore.api.FieldSchema;
@@ -26,11 +28,40 @@ import org.apache.hadoop.hive.metastore.events.PreEventContext;
  * before the metastore changes anything: if cmroot refuses, the listener throws, the drop
  * fails and both the metadata and the files stay as they were. The later delete by the
  * metastore finds nothing left to delete.
+ *
+ * <p>It also notes, per thread, which drops it recycled data for: the post-event listener
+ * ({@link CmrootMetastoreEvents}) records a metadata-only drop for the others.
  */
 public class CmrootMetastoreListener extends MetaStorePreEventListener {
 
+  // Keys of the tables / partitions whose drop recycled data on this thread (the embedded
+  // metastore runs pre and post events on the statement's thread).
+  private static final ThreadLocal<Set<String>> RECYCLED =
+      ThreadLocal.withInitial(HashSet::new);
+
   public CmrootMetastoreListener(Configuration conf) {
     super(conf);
+  }
+
+  static String dropKey(Table t, List<String> values) {
+    return Cmroot.tableKey(t.getDbName(), t.getTableName())
+        + (values == null ? "" : "/" + String.join("/", values));
+  }
+
+  /** The partition's {key: value}. */
+  static Map<String, String> spec(Table t, Partition p) {
+    Map<String, String> kv = new LinkedHashMap<>();
+    List<FieldSchema> keys = t.getPartitionKeys();
+    List<String> values = p.getValues();
+    for (int i = 0; i < keys.size() && i < values.size(); i++) {
+      kv.put(keys.get(i).getName(), values.get(i));
+    }
+    return kv;
+  }
+
+  /** Whether this thread's pre-event recycled the data of that drop; forgets it. */
+  static boolean takeRecycled(String key) {
+    return RECYCLED.get().remove(key);
   }
 
   @Override
@@ -88,8 +119,10 @@ public class CmrootMetastoreListener extends MetaStorePreEventListener {
     if (s.debug) {
       Cmroot.debugDelete(s, "metastore drop table", loc);
     }
-    Cmroot.recycle(children(loc), "DROP_TABLE", t.getDbName(), t.getTableName(), purge(t),
-        List.of(), s, "table " + t.getDbName() + "." + t.getTableName());
+    if (Cmroot.recycle(children(loc), "DROP_TABLE", t.getDbName(), t.getTableName(), purge(t),
+        List.of(), loc, s, "table " + t.getDbName() + "." + t.getTableName())) {
+      RECYCLED.get().add(dropKey(t, null));
+    }
   }
 
   /**
@@ -122,15 +155,14 @@ public class CmrootMetastoreListener extends MetaStorePreEventListener {
     if (!Cmroot.protectedPath(loc, s) || !Cmroot.holdsFiles(new File(loc).toPath())) {
       return;
     }
-    Map<String, String> kv = new LinkedHashMap<>();
-    List<FieldSchema> keys = t.getPartitionKeys();
-    List<String> values = p.getValues();
-    for (int i = 0; i < keys.size() && i < values.size(); i++) {
-      kv.put(keys.get(i).getName(), values.get(i));
-    }
+    Map<String, String> kv = spec(t, p);
     List<Map<String, String>> parts = new ArrayList<>();
     parts.add(kv);
-    Cmroot.recycle(children(loc), "DROP_PARTITION", t.getDbName(), t.getTableName(), purge(t),
-        parts, s, "partition " + kv + " of " + t.getDbName() + "." + t.getTableName());
+    String tableLoc = t.getSd() == null ? null : Cmroot.localPath(t.getSd().getLocation());
+    if (Cmroot.recycle(children(loc), "DROP_PARTITION", t.getDbName(), t.getTableName(),
+        purge(t), parts, Cmroot.protectedPath(tableLoc, s) ? tableLoc : null, s,
+        "partition " + kv + " of " + t.getDbName() + "." + t.getTableName())) {
+      RECYCLED.get().add(dropKey(t, p.getValues()));
+    }
   }
 }

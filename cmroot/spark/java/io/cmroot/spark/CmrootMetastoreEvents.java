@@ -1,0 +1,216 @@
+package io.cmroot.spark;
+
+import java.io.File;
+import java.io.IOException;
+import java.util.ArrayList;
+import java.util.Iterator;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import org.apache.hadoop.conf.Configuration;
+import org.apache.hadoop.hive.metastore.MetaStoreEventListener;
+import org.apache.hadoop.hive.metastore.api.Database;
+import org.apache.hadoop.hive.metastore.api.MetaException;
+import org.apache.hadoop.hive.metastore.api.Partition;
+import org.apache.hadoop.hive.metastore.api.Table;
+import org.apache.hadoop.hive.metastore.events.AddPartitionEvent;
+import org.apache.hadoop.hive.metastore.events.AlterTableEvent;
+import org.apache.hadoop.hive.metastore.events.CreateDatabaseEvent;
+import org.apache.hadoop.hive.metastore.events.CreateTableEvent;
+import org.apache.hadoop.hive.metastore.events.DropDatabaseEvent;
+import org.apache.hadoop.hive.metastore.events.DropPartitionEvent;
+import org.apache.hadoop.hive.metastore.events.DropTableEvent;
+
+/**
+ * A Hive metastore post-event listener
+ * ({@code spark.hadoop.hive.metastore.event.listeners=io.cmroot.spark.CmrootMetastoreEvents})
+ * that records the non-destructive metadata changes replication replays: databases and tables
+ * created, altered and dropped, partitions added, and drops that held no data (drops with
+ * data are recorded by the pre-event listener's recycle). Only successful changes of tables
+ * under the warehouse roots are recorded; data files are sent as paths, the daemon hashes them.
+ *
+ * <p>These events fire after the metastore committed the change: a failure to record one
+ * cannot undo it. With spark.cmroot.failOpen=false the statement then fails with an error
+ * saying so; with failOpen=true it is logged and counted.
+ */
+public class CmrootMetastoreEvents extends MetaStoreEventListener {
+
+  // Table parameters the metastore and Spark keep up to date themselves: an ALTER that only
+  // changes these is not a change a replica needs to replay.
+  private static final List<String> STATS_PARAMETERS = List.of("transient_lastDdlTime",
+      "numFiles", "numFilesErasureCoded", "totalSize", "numRows", "rawDataSize",
+      "COLUMN_STATS_ACCURATE", "last_modified_by", "last_modified_time");
+  private static final String SPARK_STATS_PREFIX = "spark.sql.statistics.";
+
+  public CmrootMetastoreEvents(Configuration conf) {
+    super(conf);
+  }
+
+  @Override
+  public void onCreateDatabase(CreateDatabaseEvent e) throws MetaException {
+    Cmroot.Settings s = Cmroot.settings(getConf());
+    if (!e.getStatus() || !s.enabled) {
+      return;
+    }
+    Database d = e.getDatabase();
+    Map<String, Object> body = event("CREATE_DATABASE", d.getName(), null);
+    String loc = Cmroot.localPath(d.getLocationUri());
+    if (Cmroot.protectedPath(loc, s)) {
+      body.put("location", loc);
+    }
+    record(body, s, "database " + d.getName());
+  }
+
+  @Override
+  public void onDropDatabase(DropDatabaseEvent e) throws MetaException {
+    Cmroot.Settings s = Cmroot.settings(getConf());
+    if (!e.getStatus() || !s.enabled) {
+      return;
+    }
+    String db = e.getDatabase().getName();
+    record(event("DROP_DATABASE", db, null), s, "database " + db);
+  }
+
+  @Override
+  public void onCreateTable(CreateTableEvent e) throws MetaException {
+    Table t = e.getTable();
+    Cmroot.Settings s = Cmroot.settings(getConf());
+    String loc = location(t);
+    if (!e.getStatus() || !Cmroot.protectedPath(loc, s)) {
+      return;
+    }
+    Map<String, Object> body = event("CREATE_TABLE", t.getDbName(), t.getTableName());
+    body.put("location", loc);
+    body.put("tableObj", Cmroot.tableMap(t));
+    record(body, s, "table " + name(t));
+    Map<String, Object> insert = Cmroot.takeDeferredInsert(t.getDbName(), t.getTableName());
+    if (insert != null) {
+      record(insert, s, "the data written by CREATE TABLE " + name(t) + " AS SELECT");
+    }
+  }
+
+  @Override
+  public void onAlterTable(AlterTableEvent e) throws MetaException {
+    Table old = e.getOldTable();
+    Table t = e.getNewTable();
+    Cmroot.Settings s = Cmroot.settings(getConf());
+    String loc = location(t);
+    boolean inside = Cmroot.protectedPath(loc, s);
+    // A table moved out of the roots is still news to a replica that holds it.
+    if (!e.getStatus() || !(inside || Cmroot.protectedPath(location(old), s))
+        || !replicaVisible(old, t)) {
+      return;
+    }
+    Map<String, Object> body = event("ALTER_TABLE", old.getDbName(), old.getTableName());
+    if (inside) {
+      body.put("location", loc);
+    }
+    body.put("tableObj", Cmroot.tableMap(t));
+    record(body, s, "the change of table " + name(old));
+  }
+
+  @Override
+  public void onAddPartition(AddPartitionEvent e) throws MetaException {
+    Table t = e.getTable();
+    Cmroot.Settings s = Cmroot.settings(getConf());
+    String loc = location(t);
+    if (!e.getStatus() || !Cmroot.protectedPath(loc, s)) {
+      return;
+    }
+    List<Map<String, String>> parts = new ArrayList<>();
+    List<String> files = new ArrayList<>();
+    Iterator<Partition> it = e.getPartitionIterator();
+    while (it.hasNext()) {
+      Partition p = it.next();
+      parts.add(CmrootMetastoreListener.spec(t, p));
+      String dir = p.getSd() == null ? null : Cmroot.localPath(p.getSd().getLocation());
+      if (Cmroot.protectedPath(dir, s)) {
+        files.addAll(Cmroot.dataFiles(new File(dir), true, null));
+      }
+    }
+    Map<String, Object> body = event("ADD_PARTITION", t.getDbName(), t.getTableName());
+    body.put("location", loc);
+    body.put("partitions", parts);
+    body.put("files", Cmroot.fileRefs(files));
+    record(body, s, "partitions " + parts + " of " + name(t));
+  }
+
+  @Override
+  public void onDropTable(DropTableEvent e) throws MetaException {
+    Table t = e.getTable();
+    boolean recycled = CmrootMetastoreListener.takeRecycled(
+        CmrootMetastoreListener.dropKey(t, null));
+    Cmroot.Settings s = Cmroot.settings(getConf());
+    String loc = location(t);
+    if (!e.getStatus() || recycled || !Cmroot.protectedPath(loc, s)) {
+      return;
+    }
+    Map<String, Object> body = event("DROP_TABLE", t.getDbName(), t.getTableName());
+    body.put("location", loc);
+    record(body, s, "the drop of table " + name(t));
+  }
+
+  @Override
+  public void onDropPartition(DropPartitionEvent e) throws MetaException {
+    Table t = e.getTable();
+    List<Map<String, String>> parts = new ArrayList<>();
+    Iterator<Partition> it = e.getPartitionIterator();
+    while (it.hasNext()) {
+      Partition p = it.next();
+      if (!CmrootMetastoreListener.takeRecycled(
+          CmrootMetastoreListener.dropKey(t, p.getValues()))) {
+        parts.add(CmrootMetastoreListener.spec(t, p));
+      }
+    }
+    Cmroot.Settings s = Cmroot.settings(getConf());
+    String loc = location(t);
+    if (!e.getStatus() || parts.isEmpty() || !Cmroot.protectedPath(loc, s)) {
+      return;
+    }
+    Map<String, Object> body = event("DROP_PARTITION", t.getDbName(), t.getTableName());
+    body.put("location", loc);
+    body.put("partitions", parts);
+    record(body, s, "the drop of partitions " + parts + " of " + name(t));
+  }
+
+  private static Map<String, Object> event(String type, String db, String table) {
+    Map<String, Object> body = new LinkedHashMap<>();
+    body.put("eventType", type);
+    body.put("db", db);
+    if (table != null) {
+      body.put("table", table);
+    }
+    return body;
+  }
+
+  private static void record(Map<String, Object> body, Cmroot.Settings s, String what)
+      throws MetaException {
+    try {
+      Cmroot.addEvent(body, s, what);
+    } catch (IOException ex) {
+      MetaException me = new MetaException(ex.getMessage());
+      me.initCause(ex);
+      throw me;
+    }
+  }
+
+  private static String location(Table t) {
+    return t.getSd() == null ? null : Cmroot.localPath(t.getSd().getLocation());
+  }
+
+  private static String name(Table t) {
+    return t.getDbName() + "." + t.getTableName();
+  }
+
+  /** Did anything a replica keeps change: name, schema, location, format or user parameters. */
+  static boolean replicaVisible(Table old, Table t) {
+    return !withoutStats(Cmroot.tableMap(old)).equals(withoutStats(Cmroot.tableMap(t)));
+  }
+
+  @SuppressWarnings("unchecked")
+  private static Map<String, Object> withoutStats(Map<String, Object> table) {
+    Map<String, String> params = (Map<String, String>) table.get("parameters");
+    params.keySet().removeIf(k -> STATS_PARAMETERS.contains(k) || k.startsWith(SPARK_STATS_PREFIX));
+    return table;
+  }
+}
