@@ -57,6 +57,10 @@ class Destination:
             self._locations[key] = str(uri.getPath()).rstrip("/")
         return self._locations[key]
 
+    def partition_columns(self, db: str, table: str) -> list[str]:
+        names = self._catalog().getTableMetadata(self._ident(db, table)).partitionColumnNames()
+        return [str(names.apply(i)) for i in range(names.size())]
+
     def columns(self, db: str, table: str) -> list[str]:
         return [f.name.lower() for f in self.spark.table(qualified(db, table)).schema.fields]
 

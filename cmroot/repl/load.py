@@ -116,7 +116,7 @@ class Loader:
         self.result = LoadResult(self.db, self.table, dump.url)
         self._defs: dict[str, dict[str, Any]] = {}  # source table -> newest definition
         self._tables: set[str] = set()  # destination tables known to exist
-        self._copies: list[Copy] = []
+        self._copies: dict[str, Copy] = {}  # by destination: an ADD_PARTITION repeats an INSERT
         self._origin: dict[str, tuple[int, str, str]] = {}  # dst -> (event, path, checksum)
         self._partitions: dict[str, list[dict[str, str]]] = {}
         self._client: Client | None = Client(self.daemon_url, token) if self.daemon_url else None
@@ -286,6 +286,10 @@ class Loader:
         return dst
 
     def _keys(self, e: DumpEvent) -> list[str]:
+        """The table's partition columns: the destination's, else the dump's definition."""
+        dst = self._dst_table(e)
+        if self.dest.has_table(self.db, dst):
+            return self.dest.partition_columns(self.db, dst)
         obj = self._definition(e)
         return tabledef.partition_columns(obj) if obj else []
 
@@ -333,7 +337,7 @@ class Loader:
                 spec = self._spec_of(os.path.relpath(os.path.dirname(dst), base), keys)
                 if spec and spec not in specs:
                     specs.append(spec)
-            self._copies.append(Copy(f["path"], dst, f["checksum"], int(f["size"])))
+            self._copies[dst] = Copy(f["path"], dst, f["checksum"], int(f["size"]))
             self._origin[dst] = (e.id, f["path"], f["checksum"])
 
     def _remove(self, e: DumpEvent) -> None:
@@ -403,7 +407,7 @@ class Loader:
         """Copy every queued file, publish them, register their partitions; then, for an
         incremental load, record how far the destination got (the event before
         `checkpoint`)."""
-        copies, self._copies = self._copies, []
+        copies, self._copies = list(self._copies.values()), {}
         partitions, self._partitions = self._partitions, {}
         if copies:
             self._check_reachable(copies)
@@ -420,8 +424,7 @@ class Loader:
             self.result.bytes += sum(c.size for c in done)
         for dst_table, specs in partitions.items():
             if specs and self.dest.has_table(self.db, dst_table):
-                obj = self._defs.get(dst_table) or {}
-                keys = tabledef.partition_columns(obj) or list(specs[0])
+                keys = self.dest.partition_columns(self.db, dst_table)
                 self.dest.add_partitions(self.db, dst_table, specs, keys)
         for dst_table in partitions:
             if self.dest.has_table(self.db, dst_table):
