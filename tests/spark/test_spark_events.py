@@ -151,6 +151,38 @@ def test_insert_overwrite_recycles_then_inserts(lake: Lake, db: str) -> None:
     assert data_files(t / "p=2") == kept
 
 
+def test_overwrite_of_a_whole_partitioned_table(lake: Lake, db: str) -> None:
+    make_partitioned(lake, "whole")
+    t = tdir(lake, "whole")
+    run(lake, f"INSERT INTO {DB}.whole VALUES (1, 1), (2, 2)")
+    events = run(lake, f"INSERT OVERWRITE {DB}.whole VALUES (3, 3)")
+    assert [e["eventType"] for e in events] == [
+        "INSERT_OVERWRITE", "INSERT", "ADD_PARTITION", "DROP_PARTITION", "DROP_PARTITION"]
+    recycle, insert, add, *drops = events
+    assert sorted(recycle["partitions"], key=str) == [{"p": "1"}, {"p": "2"}]
+    assert shape(insert) == ("INSERT", DB, "whole", [{"p": "3"}], str(t))
+    assert set(listed(insert)) == data_files(t)
+    assert shape(add) == ("ADD_PARTITION", DB, "whole", [{"p": "3"}], str(t))
+    # The old partitions, emptied by the overwrite, leave the catalog with no data to recycle.
+    assert sorted(d["partitions"][0]["p"] for d in drops) == ["1", "2"]
+    assert all(shape(d)[:3] == ("DROP_PARTITION", DB, "whole") and d["files"] == []
+               for d in drops)
+
+
+def test_external_table(lake: Lake, db: str) -> None:
+    data = lake.warehouse / "external" / "ext"
+    [create] = run(lake, f"CREATE EXTERNAL TABLE {DB}.ext (a INT) STORED AS PARQUET "
+                         f"LOCATION '{data}'")
+    assert shape(create) == ("CREATE_TABLE", DB, "ext", [], str(data))
+    assert create["tableObj"]["tableType"] == "EXTERNAL_TABLE"
+    [insert] = run(lake, f"INSERT INTO {DB}.ext VALUES (1)")
+    assert shape(insert) == ("INSERT", DB, "ext", [], str(data))
+    assert set(listed(insert)) == data_files(data) != set()
+    [drop] = run(lake, f"DROP TABLE {DB}.ext")  # the data stays: nothing to recycle
+    assert shape(drop) == ("DROP_TABLE", DB, "ext", [], str(data))
+    assert drop["files"] == [] and data_files(data) == set(listed(insert))
+
+
 def test_ctas_creates_then_inserts(lake: Lake, db: str) -> None:
     t = tdir(lake, "ctas")
     create, insert = run(lake, f"CREATE TABLE {DB}.ctas USING parquet AS SELECT 1 AS a, 'x' AS b")
