@@ -136,11 +136,12 @@ class Loader:
             self._claim_bootstrap()
             todo = self.dump.events
         else:
-            if h.first_event_id > (applied or 0):
+            # A destination that never saw this scope takes any dump that creates it.
+            if applied is not None and h.first_event_id > applied:
                 raise ReplError(
                     "this dump starts after events the destination has not seen",
-                    f"{self._scope()} is at event {applied or 0} but the dump holds events "
-                    f"after {h.first_event_id}: dump with --from {applied or 0}, or load the "
+                    f"{self._scope()} is at event {applied} but the dump holds events "
+                    f"after {h.first_event_id}: dump with --from {applied}, or load the "
                     "dumps in order",
                 )
             todo = [e for e in self.dump.events if e.id > (applied or 0)]

@@ -118,7 +118,7 @@ def test_driver_killed_midway_then_rerun(source: Source, destination: Destinatio
     source.sql("CREATE TABLE kl.t (a BIGINT, s STRING, p INT) USING parquet PARTITIONED BY (p)")
     source.sql("INSERT INTO kl.t SELECT /*+ REPARTITION(64) */ id, "
                "sha2(CAST(id * rand() AS STRING), 512), id % 4 FROM range(300000)")
-    source.sql("INSERT OVERWRITE TABLE kl.t PARTITION (p=1) SELECT id, 'x', 1 FROM range(10)")
+    source.sql("INSERT OVERWRITE TABLE kl.t PARTITION (p=1) SELECT id, 'x' FROM range(10)")
     source.sql("INSERT INTO kl.t SELECT /*+ REPARTITION(64) */ id, "
                "sha2(CAST(id * rand() AS STRING), 512), 5 FROM range(100000)")
     url, header = source.dump("kl", from_id=start)
