@@ -18,37 +18,39 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import fsspec
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from cmroot.exceptions import ReplError
 
 FORMAT = 1
 HEADER = "_dump.json"
 
-EVENT_SCHEMA = pa.schema(
-    [
-        ("id", pa.int64()),
-        ("seq", pa.int32()),
-        ("event_type", pa.string()),
-        ("db", pa.string()),
-        ("table", pa.string()),
-        ("partitions", pa.string()),  # JSON list of {key: value}
-        ("location", pa.string()),
-        ("table_obj", pa.string()),  # JSON object, or null
-        ("purge", pa.bool_()),
-        ("timestamp", pa.float64()),
-    ]
+# (name, pyarrow type) of each column; pyarrow is imported only where a dump is read or
+# written, because executors import this package and each fresh worker would pay for it.
+EVENT_COLUMNS = (
+    ("id", "int64"),
+    ("seq", "int32"),
+    ("event_type", "string"),
+    ("db", "string"),
+    ("table", "string"),
+    ("partitions", "string"),  # JSON list of {key: value}
+    ("location", "string"),
+    ("table_obj", "string"),  # JSON object, or null
+    ("purge", "bool_"),
+    ("timestamp", "float64"),
 )
-FILE_SCHEMA = pa.schema(
-    [
-        ("event_id", pa.int64()),
-        ("seq", pa.int32()),
-        ("path", pa.string()),
-        ("checksum", pa.string()),
-        ("size", pa.int64()),
-    ]
+FILE_COLUMNS = (
+    ("event_id", "int64"),
+    ("seq", "int32"),
+    ("path", "string"),
+    ("checksum", "string"),
+    ("size", "int64"),
 )
+
+
+def _schema(columns: tuple[tuple[str, str], ...]) -> Any:
+    import pyarrow as pa
+
+    return pa.schema([(name, getattr(pa, kind)()) for name, kind in columns])
 
 
 @dataclass
@@ -116,8 +118,11 @@ def write(
     header.events = len(events)
     header.files = sum(len(e.files) for e in events)
     header.bytes = sum(int(f["size"]) for e in events for f in e.files)
-    ev_rows: dict[str, list[Any]] = {name: [] for name in EVENT_SCHEMA.names}
-    file_rows: dict[str, list[Any]] = {name: [] for name in FILE_SCHEMA.names}
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ev_rows: dict[str, list[Any]] = {name: [] for name, _ in EVENT_COLUMNS}
+    file_rows: dict[str, list[Any]] = {name: [] for name, _ in FILE_COLUMNS}
     for e in events:
         for name, value in (
             ("id", e.id),
@@ -139,9 +144,9 @@ def write(
             file_rows["checksum"].append(f["checksum"])
             file_rows["size"].append(int(f["size"]))
     with fs.open(posixpath.join(root, "events.parquet"), "wb") as out:
-        pq.write_table(pa.table(ev_rows, schema=EVENT_SCHEMA), out)
+        pq.write_table(pa.table(ev_rows, schema=_schema(EVENT_COLUMNS)), out)
     with fs.open(posixpath.join(root, "files.parquet"), "wb") as out:
-        pq.write_table(pa.table(file_rows, schema=FILE_SCHEMA), out)
+        pq.write_table(pa.table(file_rows, schema=_schema(FILE_COLUMNS)), out)
     for name, meta in tables.items():
         with fs.open(posixpath.join(root, "tables", f"{name}.json"), "w") as out:
             json.dump(meta, out, indent=1, sort_keys=True)
@@ -163,6 +168,8 @@ class Dump:
 
 def read(url: str) -> Dump:
     """Read a dump directory; a missing header or another format is a clear error."""
+    import pyarrow.parquet as pq
+
     fs, root = fsspec.core.url_to_fs(url)
     try:
         with fs.open(posixpath.join(root, HEADER), "r") as f:

@@ -13,6 +13,7 @@ does): on the database, or on the table for a one-table replication."""
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import shutil
@@ -418,7 +419,7 @@ class Loader:
                 discard(done)
                 raise self._lost(lost, lost[0].error or "neither at its path nor in the cmroot")
             publish(done)
-            sync_filesystem(os.path.dirname(copies[0].dst))
+            _sync({os.path.dirname(c.dst) for c in copies})
             for c in done:
                 self.result.sources[c.source] = self.result.sources.get(c.source, 0) + 1
             self.result.files += len(done)
@@ -469,11 +470,14 @@ class Loader:
     def _copy(self, copies: list[Copy]) -> list[Copied]:
         sc = self.spark.sparkContext
         url, token = self.daemon_url, self.token
-        slices = max(1, min(len(copies), sc.defaultParallelism * 16))
+        # Few tasks (a Spark task costs ~25 ms here), of about equal bytes each.
+        bins = _balanced(copies, max(1, min(len(copies), sc.defaultParallelism * 4)))
         group = f"cmroot-repl-load-{uuid.uuid4().hex[:8]}"
         sc.setJobGroup(group, f"cmroot repl load: copy {len(copies)} files", False)
-        rdd = sc.parallelize(copies, slices).mapPartitions(lambda rows: copy_all(rows, url, token))
-        with self._tracking(sc, group, len(copies), slices):
+        rdd = sc.parallelize(bins, len(bins)).mapPartitions(
+            lambda it: copy_all((c for b in it for c in b), url, token)
+        )
+        with self._tracking(sc, group, len(copies), len(bins)):
             return list(rdd.collect())
 
     @contextmanager
@@ -500,6 +504,27 @@ class Loader:
             stop.set()
             t.join()
             self.report("files copied", files, files)
+
+
+def _balanced(copies: list[Copy], n: int) -> list[list[Copy]]:
+    """`copies` in `n` bins of about equal bytes (largest first, into the lightest bin)."""
+    heap = [(0, i) for i in range(n)]
+    bins: list[list[Copy]] = [[] for _ in range(n)]
+    for c in sorted(copies, key=lambda c: c.size, reverse=True):
+        load, i = heapq.heappop(heap)
+        bins[i].append(c)
+        heapq.heappush(heap, (load + c.size + 4096, i))  # + a file's fixed cost
+    return bins
+
+
+def _sync(dirs: set[str]) -> None:
+    """One syncfs per filesystem the batch wrote to."""
+    seen: set[int] = set()
+    for d in sorted(dirs):
+        dev = os.stat(d).st_dev
+        if dev not in seen:
+            seen.add(dev)
+            sync_filesystem(d)
 
 
 def _size(path: str) -> int:

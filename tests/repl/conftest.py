@@ -105,7 +105,7 @@ class Destination:
         plan.write_text(json.dumps({"base": str(self.base), "steps": list(steps)}))
         res = subprocess.run(
             [sys.executable, "-m", "tests.repl.destination", str(plan)],
-            capture_output=True, text=True, env=self.env(), cwd=REPO, timeout=600,
+            capture_output=True, text=True, env=self.env(), cwd=self.base, timeout=600,
         )
         assert res.returncode == 0, res.stderr[-5000:]
         answers: list[dict[str, Any]] = json.loads(res.stdout.strip().splitlines()[-1])
@@ -121,7 +121,7 @@ class Destination:
         """`cmroot repl ...` against this destination."""
         res = subprocess.run(
             [sys.executable, "-m", "cmroot.cli", "repl", *args, *self.with_args()],
-            capture_output=True, text=True, env=self.env(), cwd=REPO, timeout=600,
+            capture_output=True, text=True, env=self.env(), cwd=self.base, timeout=600,
         )
         if check:
             assert res.returncode == 0, res.stderr[-5000:]

@@ -126,7 +126,7 @@ def test_driver_killed_midway_then_rerun(source: Source, destination: Destinatio
     cmd = ["spark-submit", "--master", "local[2]", str(REPO / "cmd" / "repl_load.py"),
            "--from-dir", url, *destination.with_args()]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=destination.env(), cwd=REPO, start_new_session=True)
+                            env=destination.env(), cwd=destination.base, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while not _copying(table):
@@ -161,9 +161,11 @@ def test_file_expired_from_the_cmroot(source: Source, destination: Destination) 
     start = source.daemon.current()
     source.sql("CREATE DATABASE expiring")
     source.sql("CREATE TABLE expiring.t (a INT, p INT) USING parquet PARTITIONED BY (p)")
-    source.sql("INSERT INTO expiring.t VALUES (1, 1)")
+    # Values no other test writes: equal rows make byte-identical parquet files, which
+    # would share a stored object (and its 24h retention) with another test's file.
+    source.sql("INSERT INTO expiring.t VALUES (314159, 1)")
     url1, h1 = source.dump("expiring", from_id=start)
-    source.sql("INSERT INTO expiring.t VALUES (2, 2)")
+    source.sql("INSERT INTO expiring.t VALUES (271828, 2)")
     url2, _ = source.dump("expiring", from_id=h1.last_event_id)
     lost = source.data_files("expiring", "t")
     source.sql("ALTER TABLE expiring.t DROP PARTITION (p=2)")
@@ -181,7 +183,7 @@ def test_file_expired_from_the_cmroot(source: Source, destination: Destination) 
     p2 = next(f for f in lost if f.startswith("p=2/"))
     assert p2 in err["error"] + err["detail"]
     assert "retention" in err["detail"] and "bootstrap" in err["detail"]
-    assert second["rows"]["t"] == [[1, 1]]
+    assert second["rows"]["t"] == [[314159, 1]]
     assert second["partitions"]["expiring.t"] == ["p=1"]
     assert second["files"]["expiring.t"] == [f for f in lost if f.startswith("p=1/")]
     assert second["status"]["expiring"] == h1.last_event_id
@@ -201,7 +203,7 @@ def test_one_table_renamed_on_load_through_the_cli(
     res = subprocess.run(
         [sys.executable, "-m", "cmroot.cli", "repl", "dump", "one.t", "--from", str(start),
          "--to-dir", str(dumps), "--url", source.daemon.url, "--json"],
-        capture_output=True, text=True, env=destination.env(), cwd=REPO, check=True,
+        capture_output=True, text=True, env=destination.env(), cwd=destination.base, check=True,
     )
     out = json.loads(res.stdout)
     assert out["kind"] == "incremental" and out["events"] >= 4
