@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from cmroot.repl import tabledef
-from cmroot.repl.tabledef import literal, qualified, quote
+from cmroot.repl.tabledef import literal, properties_sql, qualified, quote
 
 LAST_ID = "repl.last.id"  # Hive's key: the last source event applied here
 BOOTSTRAP = "cmroot.repl.bootstrap"  # the event id of the bootstrap this replica came from
@@ -66,7 +66,7 @@ class Destination:
 
     # -- writes ---------------------------------------------------------------------------
     def create_db(self, db: str, properties: dict[str, str] | None = None) -> None:
-        props = f" WITH DBPROPERTIES ({_pairs(properties)})" if properties else ""
+        props = f" WITH DBPROPERTIES ({properties_sql(properties)})" if properties else ""
         self.sql(f"CREATE DATABASE IF NOT EXISTS {quote(db)}{props}")
 
     def drop_db(self, db: str) -> None:
@@ -74,7 +74,7 @@ class Destination:
         self._locations = {k: v for k, v in self._locations.items() if k[0] != db}
 
     def set_db_properties(self, db: str, properties: dict[str, str]) -> None:
-        self.sql(f"ALTER DATABASE {quote(db)} SET DBPROPERTIES ({_pairs(properties)})")
+        self.sql(f"ALTER DATABASE {quote(db)} SET DBPROPERTIES ({properties_sql(properties)})")
 
     def create_table(self, table_obj: dict[str, Any], db: str, table: str) -> None:
         self.sql(tabledef.create_sql(table_obj, db, table))
@@ -92,7 +92,8 @@ class Destination:
         self.sql(f"ALTER TABLE {qualified(db, table)} ADD COLUMNS ({spec})")
 
     def set_table_properties(self, db: str, table: str, properties: dict[str, str]) -> None:
-        self.sql(f"ALTER TABLE {qualified(db, table)} SET TBLPROPERTIES ({_pairs(properties)})")
+        props = properties_sql(properties)
+        self.sql(f"ALTER TABLE {qualified(db, table)} SET TBLPROPERTIES ({props})")
 
     def unset_table_properties(self, db: str, table: str, keys: list[str]) -> None:
         names = ", ".join(literal(k) for k in keys)
@@ -121,7 +122,3 @@ def _scala_map(m: Any) -> dict[str, str]:
         kv = it.next()
         out[str(kv._1())] = str(kv._2())
     return out
-
-
-def _pairs(d: dict[str, str]) -> str:
-    return ", ".join(f"{literal(k)}={literal(v)}" for k, v in sorted(d.items()))

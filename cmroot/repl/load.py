@@ -21,7 +21,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
@@ -52,16 +52,7 @@ class LoadResult:
     sources: dict[str, int] = field(default_factory=dict)  # original / cmroot / present
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "db": self.db,
-            "table": self.table,
-            "dump": self.dump,
-            "events": self.events,
-            "last_event_id": self.last_event_id,
-            "files": self.files,
-            "bytes": self.bytes,
-            "sources": self.sources,
-        }
+        return asdict(self)
 
 
 def load(
@@ -78,12 +69,13 @@ def load(
 
 def status(spark: Any, db: str, table: str | None = None) -> int | None:
     """The last source event applied to `db` (or `db.table`); None if never replicated."""
-    dest = Destination(spark)
-    db = db.lower()
+    return _last_applied(Destination(spark), db.lower(), table.lower() if table else None)
+
+
+def _last_applied(dest: Destination, db: str, table: str | None) -> int | None:
     if table is None:
         props = dest.db_properties(db) if dest.has_db(db) else {}
     else:
-        table = table.lower()
         props = dest.table_properties(db, table) if dest.has_table(db, table) else {}
     value = props.get(LAST_ID)
     return int(value) if value else None
@@ -127,8 +119,15 @@ class Loader:
 
     # -- the run --------------------------------------------------------------------------
     def run(self) -> LoadResult:
+        try:
+            return self._run()
+        finally:
+            if self._client is not None:
+                self._client.close()
+
+    def _run(self) -> LoadResult:
         h = self.dump.header
-        applied = self._status()
+        applied = _last_applied(self.dest, self.db, self.table)
         if applied is not None and applied >= h.last_event_id:
             log.info("dump already applied", extra={"dump": self.dump.url, "applied": applied})
             self.result.last_event_id = applied
@@ -155,21 +154,10 @@ class Loader:
         self._flush(checkpoint=None)
         self._set_status(h.last_event_id)
         self.result.last_event_id = h.last_event_id
-        if self._client is not None:
-            self._client.close()
         return self.result
 
     def _scope(self) -> str:
         return self.db if self.table is None else f"{self.db}.{self.table}"
-
-    def _status(self) -> int | None:
-        if self.table is None:
-            props = self.dest.db_properties(self.db) if self.dest.has_db(self.db) else {}
-        elif self.dest.has_table(self.db, self.table):
-            props = self.dest.table_properties(self.db, self.table)
-        else:
-            props = {}
-        return int(props[LAST_ID]) if props.get(LAST_ID) else None
 
     def _set_status(self, event_id: int) -> None:
         if self.table is None:

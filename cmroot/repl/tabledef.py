@@ -113,7 +113,7 @@ def create_sql(table_obj: dict[str, Any], db: str, table: str) -> str:
             k: v for k, v in (table_obj.get("serdeParameters") or {}).items() if k != "path"
         }
         if options:
-            sql.append("OPTIONS (" + _pairs(options) + ")")
+            sql.append("OPTIONS (" + properties_sql(options) + ")")
     else:
         data = [(n, t) for n, t in cols if n not in parts]
         sql.append("(" + ", ".join(f"{quote(n)} {t}" for n, t in data) + ")")
@@ -126,18 +126,19 @@ def create_sql(table_obj: dict[str, Any], db: str, table: str) -> str:
             sql.append(f"ROW FORMAT SERDE {literal(serde)}")
             serde_params = table_obj.get("serdeParameters") or {}
             if serde_params:
-                sql.append("WITH SERDEPROPERTIES (" + _pairs(serde_params) + ")")
+                sql.append("WITH SERDEPROPERTIES (" + properties_sql(serde_params) + ")")
         if table_obj.get("inputFormat") and table_obj.get("outputFormat"):
             sql.append(
                 f"STORED AS INPUTFORMAT {literal(table_obj['inputFormat'])}"
                 f" OUTPUTFORMAT {literal(table_obj['outputFormat'])}"
             )
     if props:
-        sql.append("TBLPROPERTIES (" + _pairs(props) + ")")
+        sql.append("TBLPROPERTIES (" + properties_sql(props) + ")")
     return " ".join(sql)
 
 
-def _pairs(d: dict[str, Any]) -> str:
+def properties_sql(d: dict[str, Any]) -> str:
+    """`'k'='v', ...` for OPTIONS, TBLPROPERTIES, SERDEPROPERTIES and DBPROPERTIES."""
     return ", ".join(f"{literal(k)}={literal(str(v))}" for k, v in sorted(d.items()))
 
 

@@ -36,7 +36,6 @@ import statistics
 import struct
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -50,14 +49,17 @@ from cmroot.store import RecycleRequest, Store
 
 from .harness import (
     TABLE_HEADER,
+    XXHSUM_HINT,
     BenchError,
     GiB,
     KiB,
     Medians,
     MiB,
+    Phases,
     alternate,
     arg_parser,
     check_names,
+    fmt_seconds,
     human_size,
     log,
     make_work_dir,
@@ -68,9 +70,6 @@ from .harness import (
 # A fixed, fake "now" for the sweep's store: objects are recycled at T0 and swept after
 # T0 + retain, so no one waits a day and nothing depends on the wall clock.
 T0 = 1_700_000_000.0
-XXHSUM_HINT = (
-    "xxhsum not found: install the Debian/Ubuntu package `xxhash` (apt-get install xxhash)"
-)
 BENCHMARKS = ("recycle-small", "recycle-small-new", "recycle-large", "sweep")
 CACHE_NOTE = (
     "page cache: warm on both sides (each side's files are read once with `cat > /dev/null` "
@@ -129,9 +128,6 @@ class Row(Medians):
 
 
 # -- small helpers ----------------------------------------------------------------------------
-def fmt_seconds(t: float) -> str:
-    return f"{t:.2f} s" if t >= 0.1 else f"{t * 1000:.1f} ms"
-
 
 def fmt_goal(goal: float | None) -> str:
     return "- (one-off, info)" if goal is None else f"<= {goal:g}x"
@@ -191,53 +187,7 @@ def check_tools() -> None:
             raise BenchError(f"{tool} not found: the baselines need coreutils and findutils")
 
 
-def xxhsum_available() -> bool:
-    return shutil.which("xxhsum") is not None
-
-
 # -- per-phase timing (--phases) -----------------------------------------------------------
-class Phases:
-    """Wall time per named phase, summed over calls and threads. Instruments by wrapping
-    attributes of live objects (or module functions) for the duration of a `with` block;
-    the cmroot code itself is untouched."""
-
-    def __init__(self) -> None:
-        self.totals: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self._undo: list[tuple[Any, str, Any]] = []
-
-    def wrap(self, owner: Any, attr: str, name: str | None = None) -> None:
-        original = getattr(owner, attr, None)
-        if not callable(original):
-            log(f"--phases: {attr} not found on {owner!r}; not timed (the code changed?)")
-            return
-        name = name or attr
-
-        @functools.wraps(original)
-        def timed_call(*a: Any, **kw: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return original(*a, **kw)
-            finally:
-                dt = time.perf_counter() - t
-                with self._lock:
-                    self.totals[name] = self.totals.get(name, 0.0) + dt
-                    self.calls[name] = self.calls.get(name, 0) + 1
-
-        had_own = isinstance(owner, type) or attr in getattr(owner, "__dict__", {})
-        self._undo.append((owner, attr, original if had_own else None))
-        setattr(owner, attr, timed_call)
-
-    def restore(self) -> None:
-        for owner, attr, original in reversed(self._undo):
-            if original is None:
-                delattr(owner, attr)
-            else:
-                setattr(owner, attr, original)
-        self._undo.clear()
-
-
 @contextmanager
 def recycle_phases(store: Store, enabled: bool) -> Iterator[Phases | None]:
     if not enabled:

@@ -47,22 +47,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .bench_core import XXHSUM_HINT, Phases, fmt_seconds, xxhsum_available
 from .harness import (
     TABLE_HEADER,
+    XXHSUM_HINT,
     BenchError,
     GiB,
     KiB,
     Medians,
     MiB,
+    Phases,
     alternate,
     arg_parser,
     check_names,
+    fmt_seconds,
     human_size,
     log,
     make_work_dir,
     parse_args,
     sync,
+    xxhsum_available,
 )
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,5 +1,6 @@
 """What the benchmark modules share: sizes, errors, progress logging, the scratch directory,
-median/ratio arithmetic for a row, the table header and the common command-line options.
+median/ratio arithmetic for a row, the table header, the common command-line options, the
+`xxhsum` check and per-phase timing (`--phases`).
 
 Only the standard library is used here, so any bench module (or its worker subprocess) can
 import it without pulling in cmroot.
@@ -8,11 +9,13 @@ import it without pulling in cmroot.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -132,3 +135,59 @@ def parse_args(
     reps = args.reps or scales[args.scale].reps
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
     return args, reps, only
+
+
+XXHSUM_HINT = (
+    "xxhsum not found: install the Debian/Ubuntu package `xxhash` (apt-get install xxhash)"
+)
+
+
+def fmt_seconds(t: float) -> str:
+    return f"{t:.2f} s" if t >= 0.1 else f"{t * 1000:.1f} ms"
+
+
+def xxhsum_available() -> bool:
+    return shutil.which("xxhsum") is not None
+
+
+# -- per-phase timing (--phases) -----------------------------------------------------------
+class Phases:
+    """Wall time per named phase, summed over calls and threads. Instruments by wrapping
+    attributes of live objects (or module functions) for the duration of a `with` block;
+    the cmroot code itself is untouched."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, owner: Any, attr: str, name: str | None = None) -> None:
+        original = getattr(owner, attr, None)
+        if not callable(original):
+            log(f"--phases: {attr} not found on {owner!r}; not timed (the code changed?)")
+            return
+        name = name or attr
+
+        @functools.wraps(original)
+        def timed_call(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return original(*a, **kw)
+            finally:
+                dt = time.perf_counter() - t
+                with self._lock:
+                    self.totals[name] = self.totals.get(name, 0.0) + dt
+                    self.calls[name] = self.calls.get(name, 0) + 1
+
+        had_own = isinstance(owner, type) or attr in getattr(owner, "__dict__", {})
+        self._undo.append((owner, attr, original if had_own else None))
+        setattr(owner, attr, timed_call)
+
+    def restore(self) -> None:
+        for owner, attr, original in reversed(self._undo):
+            if original is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
+        self._undo.clear()

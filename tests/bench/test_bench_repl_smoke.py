@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from tests.bench import bench_core, bench_repl
+from tests.bench import bench_repl, harness
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(600)]
 
@@ -21,7 +21,7 @@ def test_bench_repl_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_repl.main(["--scale", "smoke"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| load ")]
-    assert len(rows) == (2 if bench_core.xxhsum_available() else 1), out
+    assert len(rows) == (2 if harness.xxhsum_available() else 1), out
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         figures = [re.match(r"[0-9.e-]+", c) for c in cells[1:4]]

@@ -9,11 +9,11 @@ import math
 
 import pytest
 
-from . import bench_core
+from . import bench_core, harness
 
 pytestmark = [
     pytest.mark.bench,
-    pytest.mark.skipif(not bench_core.xxhsum_available(), reason=bench_core.XXHSUM_HINT),
+    pytest.mark.skipif(not harness.xxhsum_available(), reason=harness.XXHSUM_HINT),
 ]
 
 

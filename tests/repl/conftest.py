@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,41 +16,21 @@ import pytest
 
 from cmroot.repl import dump
 from cmroot.repl.dumpdir import Header
-from tests.spark.sparklib import (
-    REPO,
-    Daemon,
-    fresh_jvm_if_needed,
-    release_filesystems,
-    spark_builder,
-    spark_settings,
-)
+from tests.spark.sparklib import REPO, Lake, hooked_lake, spark_settings
 
 # Tables of the `expiring` database keep their recycled files for one second only.
 RETAIN_OVERRIDES = "expiring.*=1s"
 
 
-@dataclass
-class Source:
-    base: Path
-    daemon: Daemon
-    spark: Any
-
-    @property
-    def warehouse(self) -> Path:
-        return self.daemon.warehouse
-
-    def sql(self, q: str) -> list[Any]:
-        return list(self.spark.sql(q).collect())
+class Source(Lake):
+    """The hooked source lake, with what the replication tests ask of it."""
 
     def rows(self, q: str) -> list[list[Any]]:
         return sorted(list(r) for r in self.sql(q))
 
-    def table_dir(self, db: str, table: str) -> Path:
-        return self.warehouse / f"{db}.db" / table
-
     def data_files(self, db: str, table: str) -> list[str]:
         """Data file paths relative to the table directory (hidden names left out)."""
-        root = self.table_dir(db, table)
+        root = self.table_dir(table, db)
         return sorted(
             os.path.relpath(os.path.join(d, f), root)
             for d, subdirs, fs in os.walk(root)
@@ -68,21 +47,9 @@ class Source:
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Source]:
     pytest.importorskip("pyspark")
-    from cmroot import spark as cmspark
-
-    base = tmp_path_factory.mktemp("source")
-    daemon = Daemon(base, env={"CMROOT_STORE_RETAIN_OVERRIDES": RETAIN_OVERRIDES}).start()
-    jar = cmspark.build_jar()
-    fresh_jvm_if_needed(jar)
-    spark = cmspark.configure(spark_builder(base, daemon.warehouse), url=daemon.url,
-                              jar=jar).getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
-    try:
-        yield Source(base, daemon, spark)
-    finally:
-        spark.stop()
-        release_filesystems()
-        daemon.stop()
+    env = {"CMROOT_STORE_RETAIN_OVERRIDES": RETAIN_OVERRIDES}
+    with hooked_lake(tmp_path_factory.mktemp("source"), Source, env) as src:
+        yield src
 
 
 class Destination:

@@ -12,8 +12,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from cmroot import checksum as cks
 from cmroot.client import Client
@@ -100,6 +101,50 @@ class Daemon:
 
     def current(self) -> int:
         return self.client.current_event()
+
+
+@dataclass
+class Lake:
+    """A warehouse with a running daemon and a hooked Spark session over it."""
+
+    base: Path
+    daemon: Daemon
+    spark: Any
+
+    @property
+    def warehouse(self) -> Path:
+        return self.daemon.warehouse
+
+    def sql(self, q: str) -> list[Any]:
+        return list(self.spark.sql(q).collect())
+
+    def table_dir(self, table: str, db: str = "default") -> Path:
+        return self.warehouse / table if db == "default" else self.warehouse / f"{db}.db" / table
+
+
+L = TypeVar("L", bound=Lake)
+
+
+@contextlib.contextmanager
+def hooked_lake(
+    base: Path, cls: type[L], daemon_env: dict[str, str] | None = None
+) -> Iterator[L]:
+    """A daemon over <base>/warehouse and a local[2] session with the cmroot hook."""
+    from cmroot import spark as cmspark
+
+    daemon = Daemon(base, env=daemon_env).start()
+    jar = cmspark.build_jar()
+    fresh_jvm_if_needed(jar)
+    spark = cmspark.configure(
+        spark_builder(base, daemon.warehouse), url=daemon.url, jar=jar
+    ).getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    try:
+        yield cls(base, daemon, spark)
+    finally:
+        spark.stop()
+        release_filesystems()
+        daemon.stop()
 
 
 def spark_settings(base: Path, warehouse: Path) -> dict[str, str]:
