@@ -8,14 +8,19 @@ an in-flight recycle never loses the object it deduplicated against.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import threading
 import time
 from collections.abc import Sequence
 
+from cmroot import checksum as cks
 from cmroot.exceptions import Conflict
 from cmroot.index import Index, StoredObject
 from cmroot.store.layout import Layout, same_bytes
+
+log = logging.getLogger(__name__)
 
 
 class Objects:
@@ -43,28 +48,52 @@ class Objects:
             except FileExistsError:
                 pass
         # Our claim keeps the object in place while we compare.
-        if not same_bytes(staged, obj):
+        if same_bytes(staged, obj):
+            return False
+        if cks.of_local_file(obj) == checksum:
             raise Conflict(
                 "checksum collision",
                 f"{staged} and object {checksum} differ in content; nothing was merged",
             )
-        return False
+        self._heal(checksum, staged, obj)
+        return True
+
+    def _heal(self, checksum: str, staged: str, obj: str) -> None:
+        """The object's bytes no longer hash to its name (bit rot, or a writer that held
+        the inode open across its recycle), while the staged file does: keep the bad
+        bytes in quarantine for inspection and put the good ones in place, atomically."""
+        os.makedirs(self.layout.quarantine, exist_ok=True)
+        bad = os.path.join(self.layout.quarantine, f"{checksum}.{int(time.time())}")
+        tmp = f"{staged}.heal"
+        os.link(staged, tmp)
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.link(obj, bad)
+            os.rename(tmp, obj)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        log.error(
+            "stored object was corrupt: replaced by the same content recycled again",
+            extra={"checksum": checksum, "quarantined": bad},
+        )
 
     def release(self, txid: str, checksums: set[str]) -> None:
         with self._lock:
             for c in checksums:
                 self._drop_claim(txid, c)
 
-    def discard_unindexed(self, txid: str, checksum: str) -> None:
+    def discard_unindexed(self, txid: str, checksum: str) -> bool:
         """Undo a publish: drop the claim and, if no one else claims the object and the
-        index does not know it, remove it (its bytes are back at their source)."""
+        index does not know it, remove it (its bytes are back at their source). False if
+        the object stays because someone else uses it."""
         with self._lock:
             self._drop_claim(txid, checksum)
-            if checksum not in self._claims and self.index.get_object(checksum) is None:
-                try:
-                    os.unlink(self.layout.object_path(checksum))
-                except FileNotFoundError:
-                    pass
+            if checksum in self._claims or self.index.get_object(checksum) is not None:
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.layout.object_path(checksum))
+            return True
 
     def remove_expired(
         self, objs: Sequence[StoredObject], now: float, trash: bool

@@ -1,23 +1,27 @@
 """Recycle: move (or copy) files into the store as one all-or-nothing, crash-safe step.
 
-The sequence, for every request:
-1. journal: the request and, per file, where it will be staged (one SQLite commit, fsynced);
-2. stage: rename each file into `staging/<txid>/` (same filesystem: no data copied), or copy
-   it there with fsync and re-verify (copy mode, another filesystem);
-3. hash the staged bytes and publish them under their checksum (a hard link, deduplicated
-   only after a byte-for-byte comparison);
-4. flush the filesystem, then commit entries, objects and the event and close the journal
-   record in one SQLite transaction.
-A failure before 4 puts every file back; a crash before 4 is undone by `recover` on the next
-open. Hashing the staged copy rather than the source means an object's name always matches
+The sequence, for every request (the journal, `cmroot.store.journal`, decides what any
+failure or crash in between leaves):
+1. journal: the request and, per file, where it will be staged and how (one SQLite
+   commit, fsynced, before anything moves);
+2. stage: rename each file into `staging/<txid>/` relative to directory descriptors (no
+   data copied, no symlink followed), or copy it there with fsync and re-verify (copy
+   mode, another filesystem, an object store);
+3. hash the staged bytes and publish them under their checksum (a hard link,
+   deduplicated only after a byte-for-byte comparison);
+4. flush the filesystem, then record entries, objects and the event and mark the
+   transaction committed in one SQLite transaction;
+5. clean up (staging names, copied sources, emptied directories), journaled: a crash
+   here is finished at the next open.
+Hashing the staged copy rather than the source means an object's name always matches
 its bytes even if a writer races the recycle.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
-import shutil
 import socket
 import threading
 import uuid
@@ -26,22 +30,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import fsspec
-
 from cmroot import checksum as cks
-from cmroot.config import StoreConfig, local_path
-from cmroot.exceptions import BadRequest, ChecksumMismatch, CmrootError, RecycleFailed
+from cmroot import faults
+from cmroot.config import StoreConfig
+from cmroot.exceptions import BadRequest, CmrootError, RecycleFailed
 from cmroot.index import Entry, Event, Index
-from cmroot.store.layout import Layout, is_cross_device, same_bytes, sync_filesystem
+from cmroot.store.journal import Item, Journal, Sessions
+from cmroot.store.layout import Layout, sync_filesystem
 from cmroot.store.objects import Objects
-from cmroot.store.warehouse import Located, SourceFile, Warehouse
+from cmroot.store.warehouse import Warehouse
+from cmroot.vocab import DESTRUCTIVE, Method, Mode
 
 log = logging.getLogger(__name__)
 
-DESTRUCTIVE_OPS = frozenset(
-    {"DROP_TABLE", "DROP_PARTITION", "TRUNCATE", "INSERT_OVERWRITE", "ALTER_LOCATION", "DELETE"}
-)
-MODES = frozenset({"move", "copy"})
 _BATCH = 64  # files per task handed to a staging thread
 _PARALLEL_MIN_SIZE = 1 << 20  # mean file size from which staging uses several threads
 Progress = Callable[[int, int], None]
@@ -65,11 +66,11 @@ class RecycleRequest:
             or not self.paths
         ):
             raise BadRequest("bad paths", "give a non-empty list of paths")
-        if not isinstance(self.mode, str) or self.mode not in MODES:
+        if not isinstance(self.mode, str) or self.mode not in set(Mode):
             raise BadRequest("bad mode", f'{self.mode!r}: use "move" or "copy"')
-        if not isinstance(self.op, str) or self.op not in DESTRUCTIVE_OPS:
+        if not isinstance(self.op, str) or self.op not in DESTRUCTIVE:
             raise BadRequest(
-                "unknown op", f"{self.op!r}: use one of {', '.join(sorted(DESTRUCTIVE_OPS))}"
+                "unknown op", f"{self.op!r}: use one of {', '.join(sorted(DESTRUCTIVE))}"
             )
         if not isinstance(self.purge, bool):
             raise BadRequest("bad purge", f"{self.purge!r}: use true or false")
@@ -83,9 +84,9 @@ class RecycleRequest:
     def to_json(self) -> dict[str, Any]:
         return {
             "paths": list(self.paths),
-            "mode": self.mode,
+            "mode": str(self.mode),
             "purge": self.purge,
-            "op": self.op,
+            "op": str(self.op),
             "db": self.db,
             "table": self.table,
             "partitions": [dict(p) for p in self.partitions],
@@ -121,20 +122,6 @@ class RecycleResult:
 
 
 @dataclass
-class _Item:
-    """One file of a recycle in flight: what undo needs to know about it."""
-
-    seq: int
-    key: str
-    staged: str
-    src: SourceFile | None = None
-    renamed: bool = False
-    copied: bool = False
-    checksum: str | None = None
-    size: int = 0
-
-
-@dataclass
 class Recycler:
     layout: Layout
     index: Index
@@ -145,40 +132,85 @@ class Recycler:
     workers: int = field(default_factory=cks.default_workers)
     server: str = field(default_factory=socket.gethostname)
 
+    def __post_init__(self) -> None:
+        self.journal = Journal(self.layout, self.index, self.objects, self.warehouse)
+
     def recycle(self, req: RecycleRequest, progress: Progress | None = None) -> RecycleResult:
         req.validate()
         if req.location is not None:
             req = replace(req, location=self.warehouse.locate(req.location).key)
+        mode = Mode(req.mode)
         located = [self.warehouse.locate(p) for p in req.paths]
-        files, dirs = self.warehouse.expand(located)
+        found, dirs = self.warehouse.expand(located)
         txid = uuid.uuid4().hex
-        items = [_Item(i, f.key, self.layout.staged_path(txid, i), f) for i, f in enumerate(files)]
+        items = [
+            Item(i, f.key, f.rel, root, self.layout.staged_path(txid, i),
+                 root.source.method(mode), f.size)
+            for i, (root, f) in enumerate(found)
+        ]
         now = self.clock()
-        self.index.journal_begin(
-            txid, now, req.mode, req.to_json(), ((it.seq, it.key, it.staged) for it in items)
-        )
-        os.makedirs(self.layout.tx_dir(txid), exist_ok=True)
+        self.journal.begin(txid, now, mode, req.to_json(), [d.key for d in dirs], items)
         try:
-            self._stage_all(txid, req.mode, items, progress)
+            with self.journal.sessions() as sessions:
+                self._stage_all(txid, items, sessions, progress)
+            faults.point("recycle.staged")
             sync_filesystem(self.layout.root)
-            event_id = self._commit(txid, req, items, now)
+            faults.point("recycle.flushed")
+            event_id = self.journal.commit(txid, mode, self._event(req, items, now),
+                                           self._entries(req, items, now), items)
+        except faults.Crash:
+            raise  # an injected crash: nothing more happens, as if the process died
         except BaseException as e:
-            self._undo(txid, items, req.mode)
-            if isinstance(e, CmrootError) or not isinstance(e, Exception):
-                raise
-            raise RecycleFailed(
-                "recycle failed and was rolled back", f"{e}; every file is back at its source"
-            ) from e
+            self._abort(txid, req, items, now, e)
+            raise  # _abort raised already; this keeps type checkers sure
         finally:
             self.objects.release(txid, {it.checksum for it in items if it.checksum})
-        self._finish(txid, req.mode, items, dirs)
+        try:
+            self.journal.finish(txid, mode, items, [d.key for d in dirs])
+        except (OSError, CmrootError) as e:
+            # Committed: nothing is lost. The record stays and the next open finishes it.
+            self.index.quarantine_tx(txid, f"clean-up: {type(e).__name__}: {e}")
+            log.warning("clean-up after a recycle failed; finished at next start",
+                        extra={"txid": txid, "error": str(e)})
         return RecycleResult(
             event_id, [RecycledFile(it.key, it.checksum or "", it.size) for it in items]
         )
 
+    def _abort(
+        self, txid: str, req: RecycleRequest, items: list[Item], now: float, cause: BaseException
+    ) -> None:
+        """Roll back after a failure, and raise what the client should see."""
+        retain = self.config.retain_for(req.db, req.table)
+        try:
+            displaced = self.journal.rollback(txid, items, req.to_json(), now, retain,
+                                              self.server)
+        except Exception as e:
+            self.index.quarantine_tx(txid, f"rollback: {type(e).__name__}: {e}")
+            log.error("recycle could not be rolled back: quarantined",
+                      extra={"txid": txid, "error": str(e), "cause": str(cause)})
+            raise RecycleFailed(
+                "recycle failed and could not be rolled back",
+                f"{cause}; then {e}: transaction {txid} is quarantined with its files kept"
+                " in the store's staging area; nothing is lost and no event was recorded."
+                " Run `cmroot fsck` for details; it is retried at the next start",
+            ) from cause
+        if displaced:
+            raise RecycleFailed(
+                "recycle failed and was rolled back",
+                f"{cause}; every file is back at its source except {len(displaced)} whose"
+                f" path a writer re-created meanwhile ({', '.join(displaced[:5])}"
+                f"{', ...' if len(displaced) > 5 else ''}): their old bytes are kept in the"
+                " store, retrievable by path and old checksum, with no event recorded",
+            ) from cause
+        if isinstance(cause, CmrootError) or not isinstance(cause, Exception):
+            raise cause
+        raise RecycleFailed(
+            "recycle failed and was rolled back", f"{cause}; every file is back at its source"
+        ) from cause
+
     # -- stage, hash, publish -------------------------------------------------------------
     def _stage_all(
-        self, txid: str, mode: str, items: list[_Item], progress: Progress | None
+        self, txid: str, items: list[Item], sessions: Sessions, progress: Progress | None
     ) -> None:
         """Stage, hash and publish every file, a few threads at once. Work is handed out
         in batches: per-file task overhead would otherwise rival the work on small files."""
@@ -186,13 +218,13 @@ class Recycler:
         done = 0
         done_lock = threading.Lock()
 
-        def batch(chunk: list[_Item]) -> None:
+        def batch(chunk: list[Item]) -> None:
             nonlocal done
             for it in chunk:
                 if failed.is_set():
                     return
                 try:
-                    self._stage(txid, mode, it)
+                    self._stage(txid, it, sessions)
                 except BaseException:
                     failed.set()
                     raise
@@ -203,7 +235,7 @@ class Recycler:
 
         # Small files are GIL-bound: threads only contend for it (measured 1.6x slower on
         # 64 KiB files). Large ones are hashed with the GIL released, so threads pay.
-        total = sum(it.src.size for it in items if it.src is not None)
+        total = sum(it.size for it in items)
         workers = self.workers if total >= _PARALLEL_MIN_SIZE * max(1, len(items)) else 1
         size = max(1, min(_BATCH, len(items) // (workers * 4) or 1))
         with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -211,28 +243,30 @@ class Recycler:
         for f in futures:
             f.result()
 
-    def _stage(self, txid: str, mode: str, it: _Item) -> None:
-        assert it.src is not None
-        if mode == "move" and it.src.root.local:
+    def _stage(self, txid: str, it: Item, sessions: Sessions) -> None:
+        session = sessions.open(it.root)
+        if it.method == Method.RENAME:
             try:
-                os.rename(it.src.path, it.staged)
-                it.renamed = True
+                session.rename_out(it.rel, it.staged)
             except OSError as e:
-                if not is_cross_device(e):
+                if e.errno != errno.EXDEV:
                     raise
-        if it.renamed:
-            it.checksum = cks.of_local_file(it.staged, private=True)
+                self.journal.fall_back_to_copy(txid, it)
+        faults.point("recycle.file_staged")
+        if it.method == Method.RENAME:
+            # Read, not mmap: the inode is the warehouse file's, and a straggler writer
+            # truncating a mapped file would kill the daemon with SIGBUS.
+            it.checksum = cks.of_local_file(it.staged)
         else:
-            it.checksum = _copy_verified(it.src.root.fs, it.src.path, it.staged)
-            it.copied = True
+            it.checksum, it.ident = session.copy_out(it.rel, it.staged)
         it.size = os.path.getsize(it.staged)
         self.objects.publish(txid, it.checksum, it.staged)
+        faults.point("recycle.file_published")
 
-    def _commit(
-        self, txid: str | None, req: RecycleRequest, items: Sequence[_Item], now: float
-    ) -> int:
+    # -- what a commit records ------------------------------------------------------------
+    def _entries(self, req: RecycleRequest, items: Sequence[Item], now: float) -> list[Entry]:
         retain = self.config.retain_for(req.db, req.table)
-        entries = [
+        return [
             Entry(
                 path=it.key,
                 checksum=it.checksum or "",
@@ -247,7 +281,9 @@ class Recycler:
             )
             for it in items
         ]
-        event = Event(
+
+    def _event(self, req: RecycleRequest, items: Sequence[Item], now: float) -> Event:
+        return Event(
             id=0,
             type=req.op,
             db=req.db,
@@ -256,176 +292,15 @@ class Recycler:
             timestamp=now,
             server=self.server,
             purge=req.purge,
-            files=[{"path": e.path, "checksum": e.checksum, "size": e.size} for e in entries],
+            files=[{"path": it.key, "checksum": it.checksum, "size": it.size} for it in items],
             location=req.location,
-        )
-        return self.index.commit_recycle(txid, event, entries)
-
-    # -- after commit -----------------------------------------------------------------------
-    def _finish(self, txid: str, mode: str, items: list[_Item], dirs: list[Located]) -> None:
-        """Remove the staging names, then (move) sources that were copied and emptied
-        directories. Failures here lose nothing: the recycle is committed."""
-        shutil.rmtree(self.layout.tx_dir(txid), ignore_errors=True)
-        if mode != "move":
-            return
-        for it in items:
-            if it.copied and it.src is not None:
-                try:
-                    it.src.root.fs.rm(it.src.path)
-                except FileNotFoundError:
-                    pass
-                except OSError as e:
-                    log.warning(
-                        "recycled file left at source", extra={"path": it.key, "error": str(e)}
-                    )
-        for d in dirs:
-            _remove_empty_dirs(d, keep_top=self.warehouse.is_root(d))
-
-    # -- rollback --------------------------------------------------------------------------
-    def _undo(self, txid: str, items: list[_Item], mode: str) -> None:
-        displaced = []
-        for it in items:
-            # Only an object this recycle published (its staged name is a hard link to it)
-            # may be discarded; one it merely deduplicated against stays.
-            ours = bool(it.checksum) and _same_inode(
-                it.staged, self.layout.object_path(it.checksum or "")
-            )
-            staged = os.path.lexists(it.staged)
-            if staged and not _put_back(it.key, it.staged, self._staged_by_copy(it, mode)):
-                displaced.append(it)
-            if it.checksum and ours:
-                self.objects.discard_unindexed(txid, it.checksum)
-            elif it.checksum:
-                self.objects.release(txid, {it.checksum})
-        if displaced:
-            self._keep_displaced(txid, displaced)
-        shutil.rmtree(self.layout.tx_dir(txid), ignore_errors=True)
-        self.index.journal_end(txid)
-
-    def _staged_by_copy(self, it: _Item, mode: str) -> bool:
-        """Whether the staged file is a copy (possibly partial) of a source that never left,
-        rather than the source itself renamed away."""
-        if mode == "copy":
-            return True
-        if it.src is not None:
-            return not it.renamed
-        # Recovery of a move: a rename was used unless the source is on another filesystem.
-        source = local_path(it.key)
-        if source is None:
-            return True
-        parent = os.path.dirname(source)
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        return os.stat(parent).st_dev != os.stat(self.layout.staging).st_dev
-
-    def _keep_displaced(self, txid: str, items: list[_Item]) -> None:
-        """A file whose source path was re-created while it was away cannot go back without
-        clobbering the new file; keep it in the store instead, recorded as recycled."""
-        pending = next((p for p in self.index.pending() if p.txid == txid), None)
-        req = RecycleRequest(**pending.request) if pending else RecycleRequest(paths=["?"])
-        for it in items:
-            it.checksum = cks.of_local_file(it.staged, private=True)
-            it.size = os.path.getsize(it.staged)
-            self.objects.publish(txid, it.checksum, it.staged)
-        sync_filesystem(self.layout.root)
-        self._commit(None, req, items, self.clock())
-        self.objects.release(txid, {it.checksum for it in items if it.checksum})
-        log.warning(
-            "source re-created during a failed recycle; kept the old bytes in the store",
-            extra={"txid": txid, "files": [it.key for it in items]},
         )
 
     def recover(self) -> int:
-        """Roll back every recycle a crash interrupted. Returns how many there were."""
-        pending = self.index.pending()
-        for tx in pending:
-            items = [_Item(row.seq, row.source, row.staged) for row in tx.rows]
-            for it in items:
-                if os.path.lexists(it.staged):
-                    it.checksum = cks.of_local_file(it.staged, private=True)
-            log.warning(
-                "rolling back an interrupted recycle", extra={"txid": tx.txid, "files": len(items)}
-            )
-            self._undo(tx.txid, items, tx.mode)
-        self._clear_staging_leftovers()
-        return len(pending)
-
-    def _clear_staging_leftovers(self) -> None:
-        """Staging directories with no journal record belong to committed recycles whose
-        clean-up was cut short: every file there is also an object. Make sure, then drop."""
-        live = {tx.txid for tx in self.index.pending()}
-        for name in os.listdir(self.layout.staging):
-            if name in live:
-                continue
-            top = os.path.join(self.layout.staging, name)
-            for dirpath, _, names in os.walk(top):
-                for n in names:
-                    path = os.path.join(dirpath, n)
-                    c = cks.of_local_file(path, private=True)
-                    self.objects.publish(name, c, path)
-                    self.objects.release(name, {c})
-            shutil.rmtree(top, ignore_errors=True)
-
-
-def _same_inode(a: str, b: str) -> bool:
-    try:
-        sa, sb = os.stat(a), os.stat(b)
-    except OSError:
-        return False
-    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
-
-
-def _put_back(source: str, staged: str, copy: bool = False) -> bool:
-    """Return a staged file to its source. False if the source path is taken by other bytes.
-    A `copy` (possibly partial) of a source that is still there is simply dropped."""
-    local = "://" not in source or source.startswith("file://")
-    if local:
-        if os.path.lexists(source):
-            if copy or same_bytes(source, staged):
-                os.unlink(staged)
-                return True
-            return False
-        os.makedirs(os.path.dirname(source), exist_ok=True)
-        try:
-            os.link(staged, source)  # never clobbers a file created meanwhile
-        except FileExistsError:
-            return False
-        except OSError as e:
-            if not is_cross_device(e):
-                raise
-            shutil.copyfile(staged, source)
-        os.unlink(staged)
-        return True
-    fs, path = fsspec.core.url_to_fs(source)
-    if fs.exists(path) and copy:
-        os.unlink(staged)
-        return True
-    if fs.exists(path):
-        with fs.open(path, "rb") as f:
-            same = cks.of_stream(f) == cks.of_local_file(staged)
-        if same:
-            os.unlink(staged)
-        return bool(same)
-    fs.put_file(staged, path)
-    os.unlink(staged)
-    return True
-
-
-def _copy_verified(fs: Any, src: str, dest: str) -> str:
-    """Copy `src` to local `dest` while hashing, fsync, then re-read `dest` to verify."""
-    import xxhash
-
-    h = xxhash.xxh3_128()
-    with fs.open(src, "rb") as fin, open(dest, "wb") as fout:
-        while chunk := fin.read(cks.CHUNK):
-            h.update(chunk)
-            fout.write(chunk)
-        fout.flush()
-        os.fsync(fout.fileno())
-    expected = h.hexdigest()
-    if cks.of_local_file(dest, private=True) != expected:
-        raise ChecksumMismatch("copy verification failed", f"{dest} does not hash like {src}")
-    return expected
+        """Settle what a crash left (see Journal.recover). Returns how many transactions
+        were rolled back or finished."""
+        r = self.journal.recover(self.config.retain_for, self.server, self.clock())
+        return r.rolled_back + r.finished
 
 
 def partition_of(path: str, partitions: Sequence[dict[str, str]]) -> dict[str, str] | None:
@@ -436,21 +311,3 @@ def partition_of(path: str, partitions: Sequence[dict[str, str]]) -> dict[str, s
         if p and all(f"{k}={v}" in segments for k, v in p.items()):
             return dict(p)
     return dict(partitions[0]) if len(partitions) == 1 else None
-
-
-def _remove_empty_dirs(d: Located, keep_top: bool) -> None:
-    if d.local:
-        for dirpath, _, _ in os.walk(d.key, topdown=False):
-            if keep_top and dirpath == d.key:
-                continue
-            try:
-                os.rmdir(dirpath)
-            except OSError:
-                pass  # not empty: a writer added a file; leave it, as mv would fail to
-        return
-    fs = d.root.fs
-    try:
-        if not keep_top and not fs.find(d.path):
-            fs.rm(d.path, recursive=True)
-    except (FileNotFoundError, OSError):
-        pass

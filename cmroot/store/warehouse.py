@@ -15,10 +15,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
-
 from cmroot.config import local_path
-from cmroot.exceptions import BadRequest, NotFound, OutsideRoots
+from cmroot.exceptions import BadRequest, OutsideRoots
+from cmroot.store.source import Source, SourceFile, for_root
 
 MAX_PATH = 4096
 NAME_MAX = 255
@@ -33,6 +32,7 @@ class Root:
     path: str
     local: bool
     real: str
+    source: Source = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,10 @@ class Located:
     def local(self) -> bool:
         return self.root.local
 
-
-@dataclass(frozen=True)
-class SourceFile:
-    key: str
-    root: Root
-    path: str
-    size: int
+    @property
+    def rel(self) -> str:
+        """The path below the root ("" for the root itself)."""
+        return self.key[len(self.root.url) :].lstrip("/")
 
 
 class Warehouse:
@@ -67,11 +64,12 @@ class Warehouse:
         for url in roots:
             lp = local_path(url)
             if lp is not None:
-                fs = fsspec.filesystem("file")
-                self.roots.append(Root(lp, fs, lp, True, os.path.realpath(lp)))
+                real = os.path.realpath(lp)
+                src = for_root(lp, real)
+                self.roots.append(Root(lp, src.fs, lp, True, real, src))
             else:
-                fs, path = fsspec.core.url_to_fs(url)
-                self.roots.append(Root(url.rstrip("/"), fs, path.rstrip("/"), False, ""))
+                src = for_root(url, None)
+                self.roots.append(Root(url.rstrip("/"), src.fs, src.root_path, False, "", src))
         self._real_dirs: dict[str, tuple[float, str]] = {}
 
     def _realpath(self, path: str) -> tuple[str, os.stat_result | None, bool]:
@@ -141,19 +139,26 @@ class Warehouse:
     def _names(self) -> str:
         return ", ".join(r.url for r in self.roots)
 
-    def expand(self, located: Iterable[Located]) -> tuple[list[SourceFile], list[Located]]:
-        """The regular files under each path (directories recurse), and the directories
-        named. A missing path, a symlink or a special file refuses the whole request."""
-        files: dict[str, SourceFile] = {}
+    def expand(
+        self, located: Iterable[Located]
+    ) -> tuple[list[tuple[Root, SourceFile]], list[Located]]:
+        """The regular files under each path (directories recurse), with their roots, and
+        the directories named. A missing path, a symlink or a special file refuses the
+        whole request."""
+        files: dict[str, tuple[Root, SourceFile]] = {}
         dirs: list[Located] = []
         for loc in located:
-            if loc.local:
-                is_dir = _expand_local(self, loc, files)
-            else:
-                is_dir = _expand_remote(loc, files)
+            self.confirm(loc)
+            found, is_dir = loc.root.source.expand(loc.rel, loc.key)
+            for f in found:
+                files.setdefault(f.key, (loc.root, f))
             if is_dir:
                 dirs.append(loc)
         return list(files.values()), dirs
+
+    def protected(self, key: str) -> bool:
+        """A root, or a directory that contains one: never removed (invariant 5)."""
+        return any(_under(r.url, key) for r in self.roots)
 
     def is_root(self, loc: Located) -> bool:
         return loc.key == loc.root.url
@@ -178,60 +183,3 @@ def _normalise(path: str, raw: str) -> str:
 
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
-
-
-def _expand_local(wh: Warehouse, loc: Located, files: dict[str, SourceFile]) -> bool:
-    wh.confirm(loc)
-    try:
-        st = os.lstat(loc.key)
-    except (FileNotFoundError, NotADirectoryError):
-        raise NotFound("no such file", f"{loc.key} does not exist") from None
-    if stat.S_ISDIR(st.st_mode):
-        _walk(wh, loc, loc.key, files)
-        return True
-    _add_local(wh, loc, loc.key, st, files)
-    return False
-
-
-def _walk(wh: Warehouse, loc: Located, top: str, files: dict[str, SourceFile]) -> None:
-    with os.scandir(top) as it:
-        for e in it:
-            st = e.stat(follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                _walk(wh, loc, e.path, files)
-            else:
-                _add_local(wh, loc, e.path, st, files)
-
-
-def _add_local(
-    wh: Warehouse, loc: Located, path: str, st: os.stat_result, files: dict[str, SourceFile]
-) -> None:
-    if stat.S_ISLNK(st.st_mode):
-        real = os.path.realpath(path)
-        if not any(r.local and _under(real, r.real) for r in wh.roots):
-            raise OutsideRoots("symlink escapes the warehouse roots", f"{path} points to {real}")
-        raise BadRequest(
-            "symlinks are not recycled", f"{path} is a symlink: recycle {real} instead"
-        )
-    if not stat.S_ISREG(st.st_mode):
-        raise BadRequest("not a regular file", f"{path} is a device, socket or pipe")
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        raise BadRequest("file name is not UTF-8", f"{path!r}: rename it first") from None
-    files[path] = SourceFile(path, loc.root, path, st.st_size)
-
-
-def _expand_remote(loc: Located, files: dict[str, SourceFile]) -> bool:
-    fs = loc.root.fs
-    try:
-        info = fs.info(loc.path)
-    except FileNotFoundError:
-        raise NotFound("no such file", f"{loc.key} does not exist") from None
-    if info["type"] == "directory":
-        for p, d in fs.find(loc.path, detail=True).items():
-            k = loc.root.url + p[len(loc.root.path) :]
-            files[k] = SourceFile(k, loc.root, p, int(d.get("size") or 0))
-        return True
-    files[loc.key] = SourceFile(loc.key, loc.root, loc.path, int(info.get("size") or 0))
-    return False

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from cmroot.store.recycle import DESTRUCTIVE_OPS
+from cmroot.vocab import DESTRUCTIVE as DESTRUCTIVE_OPS
 from tests.spark.conftest import Lake
 from tests.spark.sparklib import SPARK_TEMP, assert_retrievable, data_files, recycled_paths
 

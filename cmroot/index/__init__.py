@@ -1,0 +1,17 @@
+"""The SQLite index: objects and entries, the event log, the recycle journal and a
+checksum cache, one module each. It knows nothing of files on disk."""
+
+from __future__ import annotations
+
+from cmroot.index.cache import ChecksumCache
+from cmroot.index.journal import JournalTables
+from cmroot.index.records import Entry, Event, JournalRow, PendingTx, StoredObject
+from cmroot.index.schema import migrate
+
+__all__ = ["Entry", "Event", "Index", "JournalRow", "PendingTx", "StoredObject"]
+
+
+class Index(JournalTables, ChecksumCache):
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        migrate(self._db)

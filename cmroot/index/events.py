@@ -1,0 +1,254 @@
+"""The ordered event log a replica replays. An event's files live in `event_files`, one
+row each, so any event can be read a page at a time.
+
+Ids come from an AUTOINCREMENT key assigned inside the writer's IMMEDIATE transaction, so
+they are strictly increasing in commit order and a reader never sees a gap: an event and
+all its files become visible together, after every event with a smaller id.
+
+Pages for the API (`events_page`, `event_files_page`) are capped in bytes as well as in
+count: their compact JSON never exceeds `PAGE_BYTES` (unless one event's own fields,
+without files, are larger than that). An event whose files do not fit comes with the
+files that do and `filesNext`, the cursor to page the rest with `event_files_page`."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from cmroot.index.base import Base
+from cmroot.index.records import Event
+
+PAGE_BYTES = 4 << 20  # the most a page's JSON may take; read at call time (tests lower it)
+FILES_FETCH = 2000  # file rows read from SQLite per step while filling a page
+
+_EVENT_COLUMNS = "id, type, db, tbl, partitions, timestamp, server, purge, meta"
+_BIG_INT = 2**63  # the widest integer a cursor field can hold
+# What a page holds besides its events: the envelope with the widest numbers, plus room
+# for the one `filesNext` a page can carry.
+_EVENTS_ENVELOPE = len(json.dumps({"events": [], "next": _BIG_INT, "more": False},
+                                  separators=(",", ":")))
+_FILES_NEXT = len(',"filesNext":') + len(str(-_BIG_INT))
+_FILES_ENVELOPE = len(json.dumps({"id": _BIG_INT, "files": [], "filesNext": -_BIG_INT},
+                                 separators=(",", ":")))
+
+
+def dumps(data: Any) -> str:
+    """The compact JSON the API writes (and the sizes pages are measured in)."""
+    return json.dumps(data, separators=(",", ":"))
+
+
+class EventLog(Base):
+    def add_event(self, event: Event) -> int:
+        with self.transaction() as db:
+            return self._insert_event(db, event)
+
+    def _insert_event(self, db: sqlite3.Connection, e: Event) -> int:
+        meta = None
+        if e.location is not None or e.table_obj is not None:
+            meta = json.dumps({"location": e.location, "tableObj": e.table_obj})
+        # `files` is written explicitly: in an index migrated from before version 2 the
+        # column is still NOT NULL without a default.
+        cur = db.execute(
+            "INSERT INTO events (type, db, tbl, partitions, timestamp, server, purge, files,"
+            " meta) VALUES (?, ?, ?, ?, ?, ?, ?, '[]', ?)",
+            (
+                str(e.type),
+                e.db,
+                e.table,
+                json.dumps(e.partitions),
+                e.timestamp,
+                e.server,
+                int(e.purge),
+                meta,
+            ),
+        )
+        assert cur.lastrowid is not None
+        event_id = cur.lastrowid
+        db.executemany(
+            "INSERT INTO event_files (event_id, seq, path, checksum, size) VALUES (?, ?, ?, ?, ?)",
+            (
+                (event_id, seq, f["path"], f["checksum"], int(f.get("size") or 0))
+                for seq, f in enumerate(e.files)
+            ),
+        )
+        return event_id
+
+    def events(self, start: int = 0, limit: int = 100) -> list[Event]:
+        """Whole events with id >= `start`, files included (unbounded: for small logs and
+        tests; the API pages with `events_page`)."""
+        rows = self._query(
+            f"SELECT {_EVENT_COLUMNS} FROM events WHERE id >= ? ORDER BY id LIMIT ?",
+            (start, limit),
+        )
+        return [_event(r, self.event_files(r[0])) for r in rows]
+
+    def event_files(
+        self, event_id: int, after: int = -1, limit: int | None = None
+    ) -> list[dict[str, Any]]:
+        """The files of one event in order, those with seq > `after`, at most `limit`."""
+        rows = self._query(
+            "SELECT path, checksum, size FROM event_files WHERE event_id = ? AND seq > ?"
+            " ORDER BY seq LIMIT ?",
+            (event_id, after, -1 if limit is None else limit),
+        )
+        return [{"path": p, "checksum": c, "size": s} for p, c, s in rows]
+
+    def events_page(
+        self, start: int, limit: int, max_bytes: int | None = None
+    ) -> dict[str, Any]:
+        """`{"events": [...], "next": N, "more": bool}`: at most `limit` events with
+        id >= `start` whose JSON fits in `max_bytes` (default PAGE_BYTES). The first event
+        is always there (so paging makes progress); the page ends at the first event that
+        does not fit whole, which, if its own fields fit, comes with the files that do and
+        `"filesNext": S` (pass S as `after` to `event_files_page`). `next` is where the
+        following page starts; `more` says events at or past it were already committed."""
+        cap = PAGE_BYTES if max_bytes is None else max_bytes
+        conn = self._reader()
+        fetched = conn.execute(
+            f"SELECT {_EVENT_COLUMNS} FROM events WHERE id >= ? ORDER BY id LIMIT ?",
+            (start, limit + 1),
+        ).fetchall()
+        rows = fetched[:limit]
+        out: list[dict[str, Any]] = []
+        if not rows:
+            return {"events": out, "next": start, "more": False}
+        used = _EVENTS_ENVELOPE + _FILES_NEXT
+        files = _FileRows(conn, rows[0][0], rows[-1][0])
+        try:
+            for r in rows:
+                event = _event(r, []).to_json()
+                cost = len(dumps(event)) + (1 if out else 0)
+                if out and used + cost > cap:
+                    break
+                out.append(event)
+                used += cost
+                listed, used, complete = _fill(event["files"], files.of(r[0]), used, cap)
+                if not complete:
+                    event["filesNext"] = listed
+                    break
+        finally:
+            files.close()
+        nxt = int(out[-1]["id"]) + 1
+        return {"events": out, "next": nxt, "more": fetched[-1][0] >= nxt}
+
+    def event_files_page(
+        self, event_id: int, after: int = -1, limit: int = 10_000, max_bytes: int | None = None
+    ) -> dict[str, Any] | None:
+        """`{"id", "files": [...], "filesNext": S | None}`: the files of one event with
+        seq > `after`, at most `limit` and within `max_bytes` of JSON (at least one file);
+        `filesNext` is the `after` of the next page, None once the last file is listed.
+        None if there is no such event."""
+        cap = PAGE_BYTES if max_bytes is None else max_bytes
+        conn = self._reader()
+        if not conn.execute("SELECT 1 FROM events WHERE id = ?", (event_id,)).fetchone():
+            return None
+        cur = conn.execute(
+            "SELECT seq, path, checksum, size FROM event_files WHERE event_id = ? AND seq > ?"
+            " ORDER BY seq LIMIT ?",
+            (event_id, after, limit + 1),
+        )
+        out: list[dict[str, Any]] = []
+        try:
+            rows = _rows(cur)
+            listed, _, complete = _fill(out, _limited(rows, limit), _FILES_ENVELOPE, cap,
+                                        at_least_one=True)
+            if complete and next(rows, None) is not None:  # stopped by `limit`
+                complete = False
+        finally:
+            cur.close()
+        return {"id": event_id, "files": out, "filesNext": None if complete else listed}
+
+    def current_event_id(self) -> int:
+        return int(self._query("SELECT coalesce(max(id), 0) FROM events")[0][0])
+
+
+class _FileRows:
+    """The files of a range of events, one cursor in (event_id, seq) order, read lazily:
+    a page that stops inside a million-file event has read only what it lists."""
+
+    def __init__(self, conn: sqlite3.Connection, first: int, last: int) -> None:
+        self._cur = conn.execute(
+            "SELECT event_id, seq, path, checksum, size FROM event_files"
+            " WHERE event_id BETWEEN ? AND ? ORDER BY event_id, seq",
+            (first, last),
+        )
+        self._pending: tuple[Any, ...] | None = None
+        self._done = False
+
+    def of(self, event_id: int) -> Iterator[tuple[Any, ...]]:
+        """(seq, path, checksum, size) of `event_id`'s files; events are asked in order."""
+        while True:
+            row = self._pending if self._pending is not None else self._fetch()
+            self._pending = None
+            if row is None:
+                return
+            if row[0] < event_id:  # a file of an event the page skipped: cannot happen
+                continue
+            if row[0] > event_id:
+                self._pending = row
+                return
+            yield row[1:]
+
+    def _fetch(self) -> tuple[Any, ...] | None:
+        if self._done:
+            return None
+        row: tuple[Any, ...] | None = self._cur.fetchone()
+        if row is None:
+            self._done = True
+        return row
+
+    def close(self) -> None:
+        self._cur.close()
+
+
+def _rows(cur: sqlite3.Cursor) -> Iterator[tuple[Any, ...]]:
+    while batch := cur.fetchmany(FILES_FETCH):
+        yield from batch
+
+
+def _limited(rows: Iterator[tuple[Any, ...]], limit: int) -> Iterator[tuple[Any, ...]]:
+    for i, row in enumerate(rows):
+        yield row
+        if i + 1 >= limit:
+            return
+
+
+def _fill(
+    out: list[dict[str, Any]],
+    rows: Iterator[tuple[Any, ...]],
+    used: int,
+    cap: int,
+    at_least_one: bool = False,
+) -> tuple[int, int, bool]:
+    """Append (seq, path, checksum, size) rows to `out` as files while the JSON fits in
+    `cap`. Returns the last seq listed (-1: none), the bytes used and whether `rows` ran
+    out (False: a row did not fit)."""
+    last = -1
+    for seq, path, checksum, size in rows:
+        f = {"path": path, "checksum": checksum, "size": size}
+        cost = len(dumps(f)) + (1 if out else 0)
+        if used + cost > cap and not (at_least_one and not out):
+            return last, used, False
+        out.append(f)
+        used += cost
+        last = seq
+    return last, used, True
+
+
+def _event(r: Sequence[Any], files: list[dict[str, Any]]) -> Event:
+    meta = json.loads(r[8]) if r[8] is not None else {}
+    return Event(
+        r[0],
+        r[1],
+        r[2],
+        r[3],
+        json.loads(r[4]),
+        r[5],
+        r[6],
+        bool(r[7]),
+        files,
+        meta.get("location"),
+        meta.get("tableObj"),
+    )

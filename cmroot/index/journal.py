@@ -1,0 +1,122 @@
+"""The recycle journal's tables: a transaction, its files, and the one SQLite
+transaction that turns staged files into recorded ones. The state machine that drives
+them lives in `cmroot.store.journal`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from cmroot.index.catalog import Catalog
+from cmroot.index.events import EventLog
+from cmroot.index.records import Entry, Event, JournalRow, PendingTx
+from cmroot.vocab import TxState
+
+
+class JournalTables(Catalog, EventLog):
+    def journal_begin(
+        self,
+        txid: str,
+        started: float,
+        mode: str,
+        request: dict[str, Any],
+        dirs: Sequence[str],
+        rows: Iterable[tuple[int, str, str, str]],
+    ) -> None:
+        """Record a transaction and its (seq, source, staged, method) rows, durably,
+        before any file moves."""
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO txs (txid, started, mode, request, state, dirs)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (txid, started, str(mode), json.dumps(request), TxState.OPEN.value,
+                 json.dumps(list(dirs))),
+            )
+            db.executemany(
+                "INSERT INTO journal (txid, seq, source, staged, method) VALUES (?, ?, ?, ?, ?)",
+                ((txid, seq, src, staged, str(m)) for seq, src, staged, m in rows),
+            )
+
+    def journal_set_method(self, txid: str, seq: int, method: str) -> None:
+        """Change how a file will be staged, before it is (a rename refused with EXDEV)."""
+        with self.transaction() as db:
+            db.execute(
+                "UPDATE journal SET method = ? WHERE txid = ? AND seq = ?",
+                (str(method), txid, seq),
+            )
+
+    def commit_recycle(
+        self,
+        txid: str | None,
+        event: Event | None,
+        entries: Sequence[Entry],
+        idents: Mapping[int, str] | None = None,
+    ) -> int:
+        """Atomically: record the event (None: entries without an event), its entries and
+        objects, the identities of copied sources (for clean-up), and mark the transaction
+        committed. Returns the event id (0 without an event)."""
+        with self.transaction() as db:
+            event_id = self._insert_event(db, event) if event is not None else 0
+            self._record_entries(db, entries, event_id)
+            if txid is not None:
+                db.executemany(
+                    "UPDATE journal SET ident = ? WHERE txid = ? AND seq = ?",
+                    ((ident, txid, seq) for seq, ident in (idents or {}).items()),
+                )
+                db.execute(
+                    "UPDATE txs SET state = ?, error = NULL WHERE txid = ?",
+                    (TxState.COMMITTED.value, txid),
+                )
+        return event_id
+
+    def journal_end(self, txid: str) -> None:
+        with self.transaction() as db:
+            db.execute("DELETE FROM journal WHERE txid = ?", (txid,))
+            db.execute("DELETE FROM txs WHERE txid = ?", (txid,))
+
+    def quarantine_tx(self, txid: str, error: str) -> None:
+        """Mark a transaction whose rollback failed: left as it is, reported, retried."""
+        with self.transaction() as db:
+            db.execute(
+                "UPDATE txs SET state = ?, error = ? WHERE txid = ? AND state != ?",
+                (TxState.QUARANTINED.value, error, txid, TxState.COMMITTED.value),
+            )
+            db.execute(
+                "UPDATE txs SET error = ? WHERE txid = ? AND state = ?",
+                (error, txid, TxState.COMMITTED.value),
+            )
+
+    def pending(self, txid: str | None = None) -> list[PendingTx]:
+        """Transactions in the journal (all, or the one named), oldest first."""
+        txs = self._query(
+            "SELECT txid, started, mode, request, state, error, dirs FROM txs"
+            + (" WHERE txid = ?" if txid is not None else "")
+            + " ORDER BY started",
+            (txid,) if txid is not None else (),
+        )
+        out = []
+        for tid, started, mode, request, state, error, dirs in txs:
+            rows = [
+                JournalRow(*r)
+                for r in self._query(
+                    "SELECT txid, seq, source, staged, method, ident FROM journal"
+                    " WHERE txid = ? ORDER BY seq",
+                    (tid,),
+                )
+            ]
+            out.append(
+                PendingTx(tid, started, mode, json.loads(request), state, error,
+                          json.loads(dirs), rows)
+            )
+        return out
+
+    def troubled_txs(self) -> int:
+        """Transactions recovery could not finish (quarantined, or committed with an
+        error): the `cmroot_quarantined_transactions` gauge."""
+        return int(
+            self._query(
+                "SELECT count(*) FROM txs WHERE state = ? OR error IS NOT NULL",
+                (TxState.QUARANTINED.value,),
+            )[0][0]
+        )

@@ -1,0 +1,346 @@
+"""The recycle journal: the one place that decides what a crash or a failure leaves.
+
+Each file of a recycle moves through these states (`vocab.FileState`):
+
+    planned --rename--> staged-by-rename --hash, link--> published --+
+            --copy----> staged-by-copy   --hash, link--> published --+--commit--> committed
+                                                                            --clean-up--> cleaned
+
+What is durable: the transaction and, per file, its source, staged name and *method*
+(written before the file moves, and rewritten before a refused rename falls back to a
+copy), then, in the one SQLite transaction that records the event, the committed state
+and the identities of copied sources. Everything else is observed on disk, so recovery
+never guesses: a staged file of a rename is the source itself; one of a copy is a copy
+(maybe partial) of a source that never left.
+
+Rolling back an open transaction (a failure, or recovery after a crash), per file:
+- unpublish: an object that is a hard link of the staged file is removed if nobody else
+  uses it, else given bytes of its own, so no warehouse file ever shares an inode with a
+  store object;
+- a copy is dropped; a renamed file goes back to its source path with a link that never
+  clobbers: if a writer re-created that path meanwhile, the old bytes stay in the store
+  as a *displaced* entry (retrievable by path and old checksum, recorded with no event:
+  no replica may replay a drop that did not happen).
+A committed transaction is finished instead: copied sources are removed (only if
+unchanged), staging names and emptied directories go. Each transaction is recovered on
+its own: one that fails is quarantined (kept, reported, retried at the next open) and
+the others go on."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from cmroot import checksum as cks
+from cmroot import faults
+from cmroot.index import Entry, Event, Index, PendingTx
+from cmroot.store.layout import Layout, sync_filesystem
+from cmroot.store.objects import Objects
+from cmroot.store.source import Session
+from cmroot.store.warehouse import Root, Warehouse
+from cmroot.vocab import FileState, Method, Mode, TxState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Item:
+    """One file of a transaction, as the forward path and the rollback both see it."""
+
+    seq: int
+    key: str
+    rel: str
+    root: Root
+    staged: str
+    method: Method
+    size: int = 0
+    checksum: str | None = None
+    ident: str | None = None  # a copied source's identity, for its removal after commit
+
+
+@dataclass
+class Recovery:
+    """What `Journal.recover` did at open."""
+
+    rolled_back: int = 0
+    finished: int = 0
+    quarantined: list[str] = field(default_factory=list)
+    displaced: list[str] = field(default_factory=list)
+
+
+class Journal:
+    def __init__(
+        self, layout: Layout, index: Index, objects: Objects, warehouse: Warehouse
+    ) -> None:
+        self.layout = layout
+        self.index = index
+        self.objects = objects
+        self.warehouse = warehouse
+
+    # -- the forward path's records ------------------------------------------------------
+    def begin(
+        self, txid: str, now: float, mode: Mode, request: dict[str, Any], dirs: Sequence[str],
+        items: Sequence[Item],
+    ) -> None:
+        self.index.journal_begin(
+            txid, now, mode, request, dirs,
+            ((it.seq, it.key, it.staged, it.method) for it in items),
+        )
+        faults.point("journal.begun")
+        os.makedirs(self.layout.tx_dir(txid), exist_ok=True)
+
+    def fall_back_to_copy(self, txid: str, it: Item) -> None:
+        """A rename was refused (EXDEV: another filesystem, or a bind mount): record that
+        this file is copied instead, before the copy starts."""
+        self.index.journal_set_method(txid, it.seq, Method.COPY)
+        it.method = Method.COPY
+
+    def commit(
+        self, txid: str, mode: Mode, event: Event, entries: Sequence[Entry], items: Sequence[Item]
+    ) -> int:
+        idents = {
+            it.seq: it.ident
+            for it in items
+            if mode == Mode.MOVE and it.method == Method.COPY and it.ident is not None
+        }
+        event_id = self.index.commit_recycle(txid, event, entries, idents)
+        faults.point("journal.committed")
+        return event_id
+
+    @contextmanager
+    def sessions(self) -> Iterator[Sessions]:
+        """Source sessions, one per root, opened on first use."""
+        with ExitStack() as stack:
+            yield Sessions(stack)
+
+    # -- after commit ---------------------------------------------------------------------
+    def finish(
+        self, txid: str, mode: Mode, items: Sequence[Item], dirs: Sequence[str]
+    ) -> None:
+        """Clean up a committed transaction: copied sources (moved, and unchanged since),
+        staging names, emptied directories; then close the record. Idempotent."""
+        with self.sessions() as sessions:
+            if mode == Mode.MOVE:
+                for it in items:
+                    if it.method == Method.COPY and it.ident is not None:
+                        if not sessions.open(it.root).remove_if_unchanged(it.rel, it.ident):
+                            log.warning(
+                                "recycled copy's source changed since; left in place",
+                                extra={"path": it.key, "txid": txid},
+                            )
+                        faults.point("journal.source_removed")
+            shutil.rmtree(self.layout.tx_dir(txid), ignore_errors=True)
+            faults.point("journal.unstaged")
+            for d in dirs:
+                loc = self.warehouse.locate(d)
+                sessions.open(loc.root).remove_empty_dirs(loc.rel, self._keeper(loc.root.url))
+        self.index.journal_end(txid)
+
+    def _keeper(self, url: str) -> Callable[[str], bool]:
+        """Which directories below root `url` clean-up must keep: roots and their parents."""
+        return lambda rel: self.warehouse.protected(f"{url}/{rel}" if rel else url)
+
+    # -- rollback -------------------------------------------------------------------------
+    def rollback(
+        self, txid: str, items: Sequence[Item], request: dict[str, Any], now: float,
+        retain: float, server: str,
+    ) -> list[str]:
+        """Undo an open transaction. Returns the keys of displaced files (kept in the store
+        without an event). Raises if a file cannot be put back; the caller quarantines."""
+        displaced: list[Item] = []
+        with self.sessions() as sessions:
+            for it in items:
+                if self._undo(txid, it, sessions.open(it.root)) == FileState.STAGED_BY_RENAME:
+                    displaced.append(it)
+                faults.point("journal.rolled_back_file")
+        if displaced:
+            self._keep_displaced(txid, displaced, request, now, retain, server)
+        shutil.rmtree(self.layout.tx_dir(txid), ignore_errors=True)
+        self.index.journal_end(txid)
+        return [it.key for it in displaced]
+
+    def observe(self, it: Item) -> FileState:
+        """Where one file of an open transaction is, from its journal row and the disk."""
+        try:
+            st = os.lstat(it.staged)
+        except FileNotFoundError:
+            return FileState.PLANNED  # never moved, or already put back
+        if stat.S_ISREG(st.st_mode) and it.checksum is None:
+            it.checksum = cks.of_local_file(it.staged)
+        if it.checksum is not None and _same_inode(st, self.layout.object_path(it.checksum)):
+            return FileState.PUBLISHED
+        if it.method == Method.RENAME:
+            return FileState.STAGED_BY_RENAME
+        return FileState.STAGED_BY_COPY
+
+    def _undo(self, txid: str, it: Item, session: Session) -> FileState:
+        """Undo one file. Returns STAGED_BY_RENAME if it could not go back (displaced),
+        else the state it was found in."""
+        state = self.observe(it)
+        if state == FileState.PLANNED:
+            if it.checksum:
+                self.objects.release(txid, {it.checksum})
+            return state
+        assert it.checksum is not None or not stat.S_ISREG(os.lstat(it.staged).st_mode)
+        if state == FileState.PUBLISHED:
+            assert it.checksum is not None
+            if not self.objects.discard_unindexed(txid, it.checksum) and it.method == Method.RENAME:
+                # Another recycle deduplicated against this object, or the index keeps
+                # it: it stays, but with bytes of its own, not the warehouse file's inode.
+                self._break_link(txid, it)
+        elif it.checksum:
+            self.objects.release(txid, {it.checksum})
+        if it.method == Method.COPY:
+            os.unlink(it.staged)  # the source never left
+            return FileState.STAGED_BY_COPY
+        if session.put_back(it.rel, it.staged):
+            return FileState.PLANNED
+        return FileState.STAGED_BY_RENAME
+
+    def _break_link(self, txid: str, it: Item) -> None:
+        assert it.checksum is not None
+        tmp = os.path.join(self.layout.tx_dir(txid), f"{it.seq}.object")
+        with open(it.staged, "rb") as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, cks.CHUNK)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.rename(tmp, self.layout.object_path(it.checksum))
+
+    def _keep_displaced(
+        self, txid: str, items: list[Item], request: dict[str, Any], now: float, retain: float,
+        server: str,
+    ) -> None:
+        """A file whose source path was re-created while it was away cannot go back without
+        clobbering the new file: keep the old bytes in the store, recorded for (path, old
+        checksum) as an entry with no event. The log claims no drop."""
+        from cmroot.store.recycle import partition_of
+
+        for it in items:
+            assert it.checksum is not None
+            it.size = os.path.getsize(it.staged)
+            self.objects.publish(txid, it.checksum, it.staged)
+        sync_filesystem(self.layout.root)
+        known = self.index.recorded([(it.key, it.checksum or "") for it in items])
+        entries = [
+            Entry(
+                path=it.key,
+                checksum=it.checksum or "",
+                size=it.size,
+                recycled=now,
+                expires=now + retain,
+                op=str(request.get("op") or "DELETE"),
+                db=request.get("db"),
+                table=request.get("table"),
+                partition=partition_of(it.key, request.get("partitions") or []),
+                purge=bool(request.get("purge")),
+            )
+            for it in items
+            if (it.key, it.checksum) not in known  # already kept by an earlier try
+        ]
+        self.index.commit_recycle(None, None, entries)
+        self.objects.release(txid, {it.checksum for it in items if it.checksum})
+        for it in items:
+            os.unlink(it.staged)
+        log.warning(
+            "source re-created during a failed recycle: kept the old bytes in the store,"
+            " with no event",
+            extra={"txid": txid, "files": [it.key for it in items]},
+        )
+
+    # -- recovery -------------------------------------------------------------------------
+    def recover(self, retain_for: Any, server: str, now: float) -> Recovery:
+        """Settle every transaction a crash (or an earlier failed rollback) left: finish the
+        committed, roll back the open, quarantine any that fails. Never raises for one."""
+        out = Recovery()
+        for tx in self.index.pending():
+            try:
+                items = self._items(tx)
+                mode = Mode(tx.mode)
+                if tx.state == TxState.COMMITTED:
+                    self.finish(tx.txid, mode, items, tx.dirs)
+                    out.finished += 1
+                else:
+                    log.warning(
+                        "rolling back an interrupted recycle",
+                        extra={"txid": tx.txid, "files": len(items), "state": tx.state},
+                    )
+                    retain = retain_for(tx.request.get("db"), tx.request.get("table"))
+                    out.displaced += self.rollback(
+                        tx.txid, items, tx.request, now, retain, server
+                    )
+                    out.rolled_back += 1
+            except Exception as e:  # one stuck transaction must not keep the daemon down
+                self.index.quarantine_tx(tx.txid, f"{type(e).__name__}: {e}")
+                out.quarantined.append(tx.txid)
+                log.error(
+                    "recycle transaction could not be recovered: quarantined",
+                    extra={"txid": tx.txid, "state": tx.state, "error": str(e),
+                           "fix": "see `cmroot fsck`; it is retried at every start"},
+                )
+        self._clear_orphans()
+        return out
+
+    def _items(self, tx: PendingTx) -> list[Item]:
+        out = []
+        for row in tx.rows:
+            loc = self.warehouse.locate(row.source)
+            it = Item(row.seq, loc.key, loc.rel, loc.root, row.staged, Method(row.method))
+            it.ident = row.ident
+            out.append(it)
+        return out
+
+    def _clear_orphans(self) -> None:
+        """Staging directories with no journal record (left by an older release, whose
+        clean-up ran after closing the record): a file there that is also a present object
+        goes; anything else stays, for fsck to report."""
+        live = {tx.txid for tx in self.index.pending()}
+        for name in os.listdir(self.layout.staging):
+            if name in live:
+                continue
+            top = os.path.join(self.layout.staging, name)
+            kept = False
+            for dirpath, _, names in os.walk(top):
+                for n in names:
+                    path = os.path.join(dirpath, n)
+                    c = cks.of_local_file(path)
+                    if self.index.get_object(c) is not None and os.path.exists(
+                        self.layout.object_path(c)
+                    ):
+                        os.unlink(path)
+                    else:
+                        kept = True
+            if not kept:
+                shutil.rmtree(top, ignore_errors=True)
+
+
+class Sessions:
+    """Source sessions of one piece of work, a root's opened the first time it is needed
+    (by any of the staging threads) and all closed together."""
+
+    def __init__(self, stack: ExitStack) -> None:
+        self._stack = stack
+        self._open: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def open(self, root: Root) -> Session:
+        with self._lock:
+            s = self._open.get(root.url)
+            if s is None:
+                s = self._stack.enter_context(root.source.session())
+                self._open[root.url] = s
+            return s
+
+
+def _same_inode(st: os.stat_result, path: str) -> bool:
+    try:
+        other = os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino)

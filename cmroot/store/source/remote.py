@@ -1,0 +1,115 @@
+"""A warehouse root on any fsspec filesystem (object stores above all). Nothing there can
+be renamed into the local store, so every file is staged by copy, and a source is removed
+after commit only while its identity (ETag, version id) is the one that was copied."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import fsspec
+import xxhash
+
+from cmroot import checksum as cks
+from cmroot.exceptions import ChecksumMismatch, NotFound
+from cmroot.store.source import Session, Source, SourceFile
+from cmroot.vocab import Method, Mode
+
+
+def identity(info: dict[str, Any]) -> str:
+    """An object's identity from fsspec's info(): its version id or ETag where the store
+    gives one, else size and modification time (the weakest, for plain filesystems)."""
+    for key in ("VersionId", "version_id", "ETag", "etag", "md5"):
+        if info.get(key):
+            return f"{key.lower()}:{info[key]}"
+    mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
+    return f"size:{info.get('size')}:{mtime}"
+
+
+class RemoteSource(Source):
+    local = False
+
+    def __init__(self, url: str) -> None:
+        self.fs, root = fsspec.core.url_to_fs(url)
+        self.root_path = root.rstrip("/")
+
+    def path(self, rel: str) -> str:
+        return f"{self.root_path}/{rel}" if rel else self.root_path
+
+    def method(self, mode: Mode) -> Method:
+        return Method.COPY
+
+    @contextmanager
+    def session(self) -> Iterator[RemoteSession]:
+        yield RemoteSession(self)
+
+    def expand(self, rel: str, key: str) -> tuple[list[SourceFile], bool]:
+        try:
+            info = self.fs.info(self.path(rel))
+        except FileNotFoundError:
+            raise NotFound("no such file", f"{key} does not exist") from None
+        if info["type"] != "directory":
+            return [SourceFile(key, rel, int(info.get("size") or 0))], False
+        out = []
+        base = self.path(rel)
+        for p, d in self.fs.find(base, detail=True).items():
+            sub = p[len(base) :].lstrip("/")
+            out.append(
+                SourceFile(f"{key.rstrip('/')}/{sub}", f"{rel}/{sub}" if rel else sub,
+                           int(d.get("size") or 0))
+            )
+        return out, True
+
+
+class RemoteSession(Session):
+    def __init__(self, source: RemoteSource) -> None:
+        self.source = source
+        self.fs = source.fs
+
+    def rename_out(self, rel: str, staged: str) -> None:
+        raise OSError(18, "a remote file cannot be renamed into the local store", rel)
+
+    def copy_out(self, rel: str, staged: str) -> tuple[str, str]:
+        path = self.source.path(rel)
+        ident = identity(self.fs.info(path))
+        h = xxhash.xxh3_128()
+        with self.fs.open(path, "rb") as fin, open(staged, "xb") as out:
+            while chunk := fin.read(cks.CHUNK):
+                h.update(chunk)
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        if identity(self.fs.info(path)) != ident:
+            raise ChecksumMismatch("source changed while copied", f"{path}: try again")
+        checksum = h.hexdigest()
+        if cks.of_local_file(staged) != checksum:
+            raise ChecksumMismatch(
+                "copy verification failed", f"{staged} does not hash like {path}"
+            )
+        return checksum, ident
+
+    def put_back(self, rel: str, staged: str) -> bool:
+        # Never called: a remote file is only ever copied, and its source stays put.
+        raise AssertionError("remote files are staged by copy")
+
+    def remove_if_unchanged(self, rel: str, ident: str) -> bool:
+        path = self.source.path(rel)
+        try:
+            if identity(self.fs.info(path)) != ident:
+                return False
+            self.fs.rm(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def remove_empty_dirs(self, rel: str, keep: Callable[[str], bool]) -> None:
+        # Object stores have no directories to leave behind; for filesystems that do,
+        # remove the named directory only if nothing is left under it.
+        path = self.source.path(rel)
+        try:
+            if not keep(rel) and not self.fs.find(path):
+                self.fs.rm(path, recursive=True)
+        except (FileNotFoundError, OSError):
+            pass
