@@ -396,25 +396,63 @@ def _checksum(args: argparse.Namespace) -> int:
 
 
 def _fsck(args: argparse.Namespace) -> int:
+    """Exit 0: clean (or every finding repaired); 1: findings (without --repair), or
+    findings no repair fixes (unreadable files, troubled recycle transactions)."""
     config = _load(args)
     with Store.open(config) as store:
-        report = store.fsck(args.repair, Progress("checked objects", not args.quiet))
-    res = report.to_json()
-    _out(
-        args,
-        res,
-        lambda r: (
-            f"checked {r['checked']} objects: "
-            + (
-                "clean"
-                if r["clean"]
-                else f"{len(r['unindexed'])} unindexed, {len(r['missing'])} missing, "
-                f"{len(r['corrupt'])} corrupt, {len(r['stray'])} stray files"
-            )
-            + (" (repaired)" if r["repair"] and not r["clean"] else "")
-        ),
-    )
-    return 0 if report.clean or args.repair else 1
+        report = store.fsck(args.repair, Progress("fsck: shards checked", not args.quiet))
+    _out(args, report.to_json(), _fsck_text)
+    if report.clean:
+        return 0
+    return 1 if report.needs_attention or not args.repair else 0
+
+
+_FSCK_SHOWN = 20  # items of each list the summary prints; --json has the rest
+
+
+def _fsck_text(r: dict[str, Any]) -> str:
+    counts: dict[str, int] = r["counts"]
+    head = f"checked {r['checked']} objects in {r['shards']} shards: "
+    if r["clean"]:
+        return head + "clean"
+    found = [f"{n} {k.replace('_', ' ')}" for k, n in counts.items() if n]
+    lines = [head + ", ".join(found) + (" (repair ran)" if r["repair"] else "")]
+
+    def section(key: str, title: str, fmt: Callable[[Any], str]) -> None:
+        if not counts[key]:
+            return
+        lines.append(f"{title}:")
+        lines.extend("  " + fmt(x) for x in r[key][:_FSCK_SHOWN])
+        if counts[key] > _FSCK_SHOWN:
+            lines.append(f"  ... and {counts[key] - _FSCK_SHOWN} more (all counted; --json "
+                         f"lists up to {r['limit']})")
+
+    section("unreadable", "unreadable (left as they are, index rows kept)",
+            lambda x: f"{x['path']}: {x['error']}")
+    section("corrupt", "corrupt (bytes do not hash to the name"
+            + ("; quarantined" if r["repair"] else "; --repair quarantines") + ")", str)
+    section("missing", "missing (indexed, not on disk"
+            + ("; rows forgotten" if r["repair"] else "; --repair forgets the rows") + ")", str)
+    section("misplaced", "in the wrong shard", lambda x: f"{x['path']}: {x['action']}")
+    section("unindexed", "unindexed (on disk, not in the index"
+            + ("; registered" if r["repair"] else "; --repair registers them") + ")", str)
+    section("stray", "stray files (not objects; never touched)", str)
+    section("quarantined_transactions", "recycle transactions recovery could not finish",
+            lambda x: f"{x['txid']} {x['state']}, {x['files']} files in {x['staging']}: "
+            f"{x['error']}")
+    if counts["quarantined_transactions"]:
+        lines.append(
+            "  what to do: fix the cause in the error above (a source directory that is now a "
+            "file, permissions, a full disk), then restart the daemon (or run cmroot fsck "
+            "again): recovery retries them when the store opens. A quarantined recycle's files "
+            "are in its staging directory until then; never delete them by hand."
+        )
+    if counts["unreadable"]:
+        lines.append(
+            "  what to do: check the disk (dmesg, SMART) and the permissions of the paths "
+            "above; fsck keeps them and their index rows until they can be read."
+        )
+    return "\n".join(lines)
 
 
 def _token(args: argparse.Namespace) -> int:

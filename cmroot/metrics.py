@@ -92,3 +92,9 @@ class StoreCollector(Collector):
             "Id of the newest event in the log.",
             value=self.index.current_event_id(),
         )
+        yield GaugeMetricFamily(
+            "cmroot_quarantined_transactions",
+            "Recycle transactions recovery could not finish (rollback failed, or committed "
+            "with a failed clean-up): see `cmroot fsck`.",
+            value=self.index.troubled_txs(),
+        )

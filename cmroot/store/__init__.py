@@ -16,6 +16,7 @@ from cmroot import checksum as cks
 from cmroot.config import Config, StoreConfig, local_path
 from cmroot.exceptions import BadRequest, ChecksumMismatch, ConfigError, NotFound
 from cmroot.index import Entry, Event, Index
+from cmroot.store.fsck import LIMIT as FSCK_LIMIT
 from cmroot.store.fsck import FsckReport, fsck
 from cmroot.store.layout import Layout
 from cmroot.store.objects import Objects
@@ -194,8 +195,18 @@ class Store:
         trash = self.config.on_expire == "trash"
         return sweep(self.index, self.objects, self.clock(), trash, dry_run, progress)
 
-    def fsck(self, repair: bool = False, progress: Progress | None = None) -> FsckReport:
-        return fsck(self.layout, self.index, self.clock(), self.config.retain, repair, progress)
+    def fsck(
+        self,
+        repair: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+        limit: int = FSCK_LIMIT,
+    ) -> FsckReport:
+        """Check the objects against the index, shard by shard (`progress(done, total)`
+        per shard); with `repair`, fix what can be fixed without losing anything. Lists
+        in the report hold at most `limit` items each; its counts are complete."""
+        return fsck(
+            self.layout, self.index, self.clock(), self.config.retain, repair, progress, limit
+        )
 
     # -- reads ----------------------------------------------------------------------------
     def resolve(self, pairs: object) -> list[Resolution]:

@@ -1,44 +1,116 @@
 """fsck: check that the objects on disk and the index agree, and that every object's bytes
-hash to its name. Objects the index lacks are re-registered (never deleted); corrupt ones
-are quarantined; index rows whose object vanished are reported, and forgotten on repair."""
+hash to its name.
+
+What it never does: destroy what it could not read. A shard directory or an object that
+cannot be read (EIO, EACCES, ...) is reported under `unreadable` and left alone, and the
+index rows it may hold are kept, with or without `--repair`.
+
+What `--repair` does:
+- an object the index lacks is re-registered (never deleted), for a full retention;
+- a valid object (its bytes hash to its name) in the wrong shard directory is moved to its
+  place if that is free (or holds a corrupt copy, which is quarantined); a stray duplicate of
+  a valid, correctly placed copy is removed once both are compared byte for byte;
+- an object whose bytes do not hash to its name is moved to
+  `<store>/quarantine/<checksum>.<unix time>` (the daemon's name for what it quarantines);
+- index rows are forgotten only when, after all of the above, no file is at the object's
+  place and no valid copy of it was found anywhere in the store.
+Stray files are reported, never touched.
+
+It streams: `objects/` is walked one `ab/cd` shard at a time in sorted order and compared
+with the index rows of that shard alone (`Index.objects_between`), so memory is one shard's
+worth, not the store's. Rows whose shard directory is absent are found by visiting every
+shard prefix the index has (a small index) or every possible prefix (a large one), never by
+loading all checksums. Report lists are capped (`limit`); counts are always exact.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
-from collections.abc import Callable
+import stat
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from cmroot import checksum as cks
-from cmroot.index import Index, StoredObject
-from cmroot.store.layout import Layout
+from cmroot.index import Index, PendingTx, StoredObject
+from cmroot.store.layout import Layout, fsync_dir, same_bytes
+from cmroot.vocab import TxState
 
 _NAME = re.compile(r"[0-9a-f]{32}")
+_PREFIX = re.compile(r"[0-9a-f]{2}")
+LIMIT = 1000  # items kept per report list; counts are always complete
+# Up to this many indexed objects, the shards the index uses are found with one query per
+# top-level prefix (at most this many rows held at once); above it, every one of the 65,536
+# possible shards is asked for its own rows (about a second of queries, next to hours of
+# hashing such a store).
+SMALL_INDEX = 65_536
+
+KINDS = (
+    "unindexed",
+    "missing",
+    "corrupt",
+    "stray",
+    "unreadable",
+    "misplaced",
+    "quarantined_transactions",
+)
 
 
 @dataclass
 class FsckReport:
     repair: bool
-    checked: int = 0
+    limit: int = LIMIT
+    checked: int = 0  # object files read and hashed
+    shards: int = 0  # shard directories visited
     unindexed: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     corrupt: list[str] = field(default_factory=list)
     stray: list[str] = field(default_factory=list)
+    unreadable: list[dict[str, str]] = field(default_factory=list)  # {path, error}
+    misplaced: list[dict[str, str]] = field(default_factory=list)  # {path, checksum, action}
+    quarantined_transactions: list[dict[str, Any]] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+
+    def add(self, kind: str, item: Any) -> None:
+        self.counts[kind] += 1
+        items: list[Any] = getattr(self, kind)
+        if len(items) < self.limit:
+            items.append(item)
+
+    @property
+    def truncated(self) -> bool:
+        """Whether some list holds fewer items than its count (see `counts`)."""
+        return any(self.counts[k] > len(getattr(self, k)) for k in KINDS)
 
     @property
     def clean(self) -> bool:
-        return not (self.unindexed or self.missing or self.corrupt or self.stray)
+        return not any(self.counts.values())
+
+    @property
+    def needs_attention(self) -> bool:
+        """Findings no repair fixes: a person must look (unreadable files, recycle
+        transactions recovery could not finish)."""
+        return bool(self.counts["unreadable"] or self.counts["quarantined_transactions"])
 
     def to_json(self) -> dict[str, Any]:
         return {
             "repair": self.repair,
             "checked": self.checked,
+            "shards": self.shards,
             "clean": self.clean,
             "unindexed": self.unindexed,
             "missing": self.missing,
             "corrupt": self.corrupt,
             "stray": self.stray,
+            "unreadable": self.unreadable,
+            "misplaced": self.misplaced,
+            "quarantined_transactions": self.quarantined_transactions,
+            "counts": dict(self.counts),
+            "truncated": self.truncated,
+            "limit": self.limit,
         }
 
 
@@ -49,42 +121,356 @@ def fsck(
     retain: float,
     repair: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    limit: int = LIMIT,
 ) -> FsckReport:
-    report = FsckReport(repair)
-    indexed = index.all_checksums()
-    on_disk = list(_walk(layout.objects, report))
-    for path, c in cks.many(
-        lambda p: cks.of_local_file(p, private=True),
-        [p for p, _ in on_disk],
-        progress=lambda i: progress and progress(i, len(on_disk)),
-    ):
-        name = os.path.basename(path)
-        report.checked += 1
-        if c != name or path != layout.object_path(name):
-            report.corrupt.append(name)
-            if repair:
-                os.makedirs(layout.quarantine, exist_ok=True)
-                os.rename(path, os.path.join(layout.quarantine, name))
-                index.forget([name])
-        elif name not in indexed:
-            report.unindexed.append(name)
-            if repair:
-                st = os.stat(path)
-                index.register_object(
-                    StoredObject(name, st.st_size, st.st_mtime, now + retain, True)
-                )
-    seen = {os.path.basename(p) for p, _ in on_disk}
-    report.missing = sorted(indexed - seen)
-    if repair and report.missing:
-        index.forget(report.missing)
+    """Check (and with `repair`, fix) the store. `progress(done, total)` is called once per
+    shard directory visited."""
+    report = FsckReport(repair, limit)
+    pending = index.pending()
+    _transactions(layout, pending, report)
+    _staging(layout, pending, report)
+    with ThreadPoolExecutor(max_workers=cks.default_workers()) as pool:
+        walk = _Walk(layout, index, now, retain, repair, report, pool)
+        shards = walk.plan()
+        for i, shard in enumerate(shards, 1):
+            walk.shard(shard)
+            report.shards += 1
+            if progress:
+                progress(i, len(shards))
+        walk.settle()
     return report
 
 
-def _walk(top: str, report: FsckReport) -> Any:
-    for dirpath, _, names in os.walk(top):
-        for n in names:
-            path = os.path.join(dirpath, n)
-            if _NAME.fullmatch(n):
-                yield path, n
-            else:
-                report.stray.append(path)
+def describe(err: OSError) -> str:
+    name = errno.errorcode.get(err.errno or 0, "")
+    text = err.strerror or str(err)
+    return f"{name}: {text}" if name else text
+
+
+# -- recycle transactions --------------------------------------------------------------------
+
+
+def troubled(tx: PendingTx) -> bool:
+    """A transaction recovery could not finish: its rollback failed (quarantined), or it
+    committed and its clean-up failed (committed with an error)."""
+    return tx.state == TxState.QUARANTINED or (
+        tx.state == TxState.COMMITTED and tx.error is not None
+    )
+
+
+def _transactions(layout: Layout, pending: Sequence[PendingTx], report: FsckReport) -> None:
+    for tx in pending:
+        if troubled(tx):
+            report.add(
+                "quarantined_transactions",
+                {
+                    "txid": tx.txid,
+                    "state": str(tx.state),
+                    "error": tx.error,
+                    "files": len(tx.rows),
+                    "staging": layout.tx_dir(tx.txid),
+                    "started": tx.started,
+                },
+            )
+
+
+def _staging(layout: Layout, pending: Sequence[PendingTx], report: FsckReport) -> None:
+    """Whatever is in staging and belongs to no transaction of the journal is stray (it is
+    reported, never removed). The files of a transaction in the journal, troubled or not,
+    are that transaction's: they are not stray."""
+    owned = {os.path.basename(layout.tx_dir(tx.txid)) for tx in pending}
+    for tx in pending:
+        for row in tx.rows:
+            rel = os.path.relpath(row.staged, layout.staging)
+            if not rel.startswith(os.pardir):
+                owned.add(rel.split(os.sep, 1)[0])
+    try:
+        names = sorted(os.listdir(layout.staging))
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        report.add("unreadable", {"path": layout.staging, "error": describe(e)})
+        return
+    for name in names:
+        if name not in owned:
+            report.add("stray", os.path.join(layout.staging, name))
+
+
+# -- objects -------------------------------------------------------------------------------
+
+
+def _after(prefix: str) -> str:
+    """The smallest string above every checksum starting with this hex prefix."""
+    n = int(prefix, 16) + 1
+    return f"{n:0{len(prefix)}x}" if n < 16 ** len(prefix) else "g"
+
+
+def _hash(path: str) -> tuple[str, int]:
+    """Hash an object file, never following a symlink. Read, not mmap: on a failing disk a
+    mapped read kills the process with SIGBUS, where read() reports EIO."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with open(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        return cks.of_stream(f), st.st_size
+
+
+def _try_hash(path: str) -> tuple[str, int] | OSError:
+    try:
+        return _hash(path)
+    except OSError as e:
+        return e
+
+
+def _regular(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_file(follow_symlinks=False)
+    except OSError:
+        return True  # cannot tell: hashing it will say (and report it unreadable)
+
+
+class _Walk:
+    def __init__(
+        self,
+        layout: Layout,
+        index: Index,
+        now: float,
+        retain: float,
+        repair: bool,
+        report: FsckReport,
+        pool: ThreadPoolExecutor,
+    ) -> None:
+        self.layout = layout
+        self.index = index
+        self.now = now
+        self.retain = retain
+        self.repair = repair
+        self.report = report
+        self.pool = pool
+        # Shards with index rows whose object was not at its place: settled at the end,
+        # once every misplaced copy has been seen (and moved home, on repair).
+        self.recheck: set[str] = set()
+        # Objects whose rows are never forgotten this run: a valid copy sits in a wrong
+        # shard, or a file of that name could not be read (rarities: O(findings)).
+        self.keep_rows: set[str] = set()
+        # Objects quarantined this run: their rows go (unless a valid copy was found), but
+        # they are reported corrupt, not missing.
+        self.quarantined: set[str] = set()
+        # Misplaced objects moved to a shard not yet visited: already hashed once.
+        self.moved_ahead: set[str] = set()
+        self.current = ""
+
+    # -- which shards to visit ----------------------------------------------------------
+    def plan(self) -> list[str]:
+        """Every shard ("ab/cd") present on disk or in the index, in sorted order, except
+        under an unreadable top-level directory. Strays found on the way are reported."""
+        top = self.layout.objects
+        listed = self._list(top)
+        if listed is None:
+            return []
+        on_disk: set[str] = set()
+        unreadable_tops: set[str] = set()
+        for entry in listed:
+            if not (_PREFIX.fullmatch(entry.name) and _is_dir(entry)):
+                self.report.add("stray", entry.path)
+                continue
+            subs = self._list(entry.path)
+            if subs is None:
+                unreadable_tops.add(entry.name)
+                continue
+            for sub in subs:
+                if _PREFIX.fullmatch(sub.name) and _is_dir(sub):
+                    on_disk.add(f"{entry.name}/{sub.name}")
+                else:
+                    self.report.add("stray", sub.path)
+        tops = [f"{i:02x}" for i in range(256)]
+        in_index: set[str] = set()
+        if self.index.stats()[0] <= SMALL_INDEX:
+            for t in tops:
+                if t not in unreadable_tops:
+                    in_index.update(f"{c[:2]}/{c[2:4]}" for c in self._rows(t))
+        else:
+            in_index = {
+                f"{t}/{i:02x}" for t in tops if t not in unreadable_tops for i in range(256)
+            }
+        return sorted(on_disk | in_index)
+
+    def _list(self, path: str) -> list[os.DirEntry[str]] | None:
+        """A directory's entries sorted by name; [] if it does not exist; None (and
+        reported) if it cannot be read."""
+        try:
+            with os.scandir(path) as it:
+                return sorted(it, key=lambda e: e.name)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            self.report.add("unreadable", {"path": path, "error": describe(e)})
+            return None
+
+    def _rows(self, prefix: str) -> dict[str, StoredObject]:
+        return self.index.objects_between(prefix, _after(prefix))
+
+    # -- one shard ----------------------------------------------------------------------
+    def shard(self, shard: str) -> None:
+        self.current = shard
+        prefix = shard.replace("/", "")
+        d = os.path.join(self.layout.objects, shard)
+        entries = self._list(d)
+        if entries is None:
+            return  # unreadable: its rows stay, whatever they are
+        indexed = self._rows(prefix)
+        present: set[str] = set()
+        to_hash: list[str] = []
+        for e in entries:
+            if not (_NAME.fullmatch(e.name) and _regular(e)):
+                self.report.add("stray", e.path)
+                continue
+            if e.name.startswith(prefix):
+                present.add(e.name)  # hashed below; unreadable or not, it is there
+                if e.name in self.moved_ahead:
+                    self.moved_ahead.discard(e.name)  # hashed (and registered) when moved
+                    continue
+            to_hash.append(e.path)
+        for path, res in zip(to_hash, self.pool.map(_try_hash, to_hash), strict=True):
+            name = os.path.basename(path)
+            if isinstance(res, OSError):
+                # Never quarantined, never forgotten: we do not know what it holds.
+                self.report.add("unreadable", {"path": path, "error": describe(res)})
+                self.keep_rows.add(name)
+                continue
+            self.report.checked += 1
+            digest, size = res
+            if not name.startswith(prefix):
+                self._misplaced(path, name, digest, size)
+            elif digest != name:
+                self.report.add("corrupt", name)
+                if self.repair:
+                    self._quarantine(path, name)
+                    self.recheck.add(shard)
+            elif name not in indexed:
+                self.report.add("unindexed", name)
+                if self.repair:
+                    self._register(name, size)
+        if any(c not in present for c in indexed):
+            self.recheck.add(shard)
+
+    def _register(self, name: str, size: int) -> None:
+        # A full retention from now, so a person has time to sort it out.
+        self.index.register_object(
+            StoredObject(name, size, self.now, self.now + self.retain, True)
+        )
+
+    def _quarantine(self, path: str, name: str) -> None:
+        q = self.layout.quarantine
+        os.makedirs(q, exist_ok=True)
+        # <checksum>.<unix time>, as the daemon names what it quarantines when serving
+        base = os.path.join(q, f"{name}.{int(self.now)}")
+        target, n = base, 0
+        while os.path.lexists(target):  # an earlier quarantined copy stays too
+            n += 1
+            target = f"{base}.{n}"
+        os.rename(path, target)
+        self.quarantined.add(name)
+        fsync_dir(q)
+        fsync_dir(os.path.dirname(path))
+
+    # -- an object in the wrong shard ---------------------------------------------------
+    def _misplaced(self, path: str, name: str, digest: str, size: int) -> None:
+        if digest != name:
+            # Bytes that do not hash to their name, wherever they sit: corrupt. No rows
+            # are touched here: they belong to the object's own place.
+            self.report.add("corrupt", name)
+            if self.repair:
+                self._quarantine(path, name)
+            return
+        self.keep_rows.add(name)
+        home = self.layout.object_path(name)
+        state = self._home_state(home, name)
+        if state == "absent":
+            todo, done = "move to its place", "moved to its place"
+            if self.repair:
+                self._move_home(path, home, name, size)
+        elif state == "valid" and same_bytes(path, home):
+            todo, done = "remove: a duplicate of its place", "removed: a duplicate of its place"
+            if self.repair:
+                os.unlink(path)
+                fsync_dir(os.path.dirname(path))
+        elif state == "valid":  # two contents, one checksum: both kept for a person
+            todo = done = "left: differs from the valid copy at its place (hash collision?)"
+        elif state == "corrupt":
+            todo = "replace the corrupt copy at its place"
+            done = "replaced the corrupt copy at its place (quarantined)"
+            if self.repair:
+                # Reported here: the walk of the home shard will find the valid copy.
+                self.report.add("corrupt", name)
+                self._quarantine(home, name)
+                self._move_home(path, home, name, size)
+        else:
+            todo = done = f"left: its place cannot be read ({state})"
+        action = done if self.repair else todo
+        self.report.add("misplaced", {"path": path, "checksum": name, "action": action})
+
+    def _home_state(self, home: str, name: str) -> str:
+        """What is at an object's place: absent, valid, corrupt, or an error."""
+        try:
+            os.lstat(home)
+        except FileNotFoundError:
+            return "absent"
+        except NotADirectoryError:
+            return "absent"
+        except OSError as e:
+            return describe(e)
+        res = _try_hash(home)
+        if isinstance(res, OSError):
+            return describe(res)
+        return "valid" if res[0] == name else "corrupt"
+
+    def _move_home(self, path: str, home: str, name: str, size: int) -> None:
+        shard_dir = os.path.dirname(home)
+        if not os.path.isdir(shard_dir):
+            self.layout.make_shard(name)
+        os.link(path, home)  # never clobbers a file that appeared meanwhile
+        fsync_dir(shard_dir)
+        os.unlink(path)
+        fsync_dir(os.path.dirname(path))
+        if self.index.get_object(name) is None:
+            self.report.add("unindexed", name)
+            self._register(name, size)
+        if f"{name[:2]}/{name[2:4]}" > self.current:
+            self.moved_ahead.add(name)
+
+    # -- rows whose object is gone ------------------------------------------------------
+    def settle(self) -> None:
+        """Report (and on repair forget) the rows of objects absent from their place once
+        every shard was walked, unless a valid copy of the object exists elsewhere."""
+        for shard in sorted(self.recheck):
+            gone = [
+                c
+                for c in sorted(self._rows(shard.replace("/", "")))
+                if c not in self.keep_rows and _absent(self.layout.object_path(c))
+            ]
+            for c in gone:
+                if c not in self.quarantined:
+                    self.report.add("missing", c)
+            if self.repair and gone:
+                self.index.forget(gone)
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
+
+
+def _absent(path: str) -> bool:
+    """True only if nothing is at `path` for sure; an error to look is not absence."""
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:
+        return False
+    return not stat.S_ISREG(st.st_mode)
+
