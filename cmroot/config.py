@@ -126,7 +126,9 @@ class Config:
 
 
 # Environment variables of the CLI and logging that are not config keys.
-_NOT_CONFIG = frozenset({"CMROOT_CONFIG", "CMROOT_TOKEN", "CMROOT_URL", "CMROOT_LOG_LEVEL"})
+_NOT_CONFIG = frozenset(
+    {"CMROOT_CONFIG", "CMROOT_TOKEN", "CMROOT_URL", "CMROOT_LOG_LEVEL", "CMROOT_FAULTS"}
+)
 
 _SECTIONS: dict[str, type[Any]] = {
     "store": StoreConfig,

@@ -50,3 +50,12 @@ def env(tmp_path: Path, clock: Clock) -> Iterator[Env]:
 def store(env: Env) -> Store:
     """A writable store on `env`, with the injected clock and a 24h retention."""
     return env.open()
+
+
+@pytest.fixture(autouse=True)
+def _no_fault_left_armed() -> Iterator[None]:
+    """A fault point a test armed but never reached must not fire in the next test."""
+    from cmroot import faults
+
+    yield
+    faults.disarm()
