@@ -111,3 +111,28 @@ def many(
             if progress:
                 progress(i)
             yield path, digest
+
+
+def read_fd(fd: int, size: int) -> bytes:
+    """Read a whole file from an open descriptor by pread, from offset 0: `size` bytes as
+    fstat said, plus whatever it grew by meanwhile (the caller compares the length)."""
+    parts: list[bytes] = []
+    offset = 0
+    while chunk := os.pread(fd, max(size + 1 - offset, 1 << 16), offset):
+        parts.append(chunk)
+        offset += len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def of_fd(fd: int) -> tuple[str, int]:
+    """Hash an open file from offset 0 to its end by pread (the descriptor's position is
+    left alone); returns (checksum, bytes hashed). Never mmap: a warehouse file (or an
+    object, a hard link of one) truncated under a mapping would kill us with SIGBUS."""
+    h = xxhash.xxh3_128()
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    offset = 0
+    while n := os.preadv(fd, [buf], offset):
+        h.update(view[:n])
+        offset += n
+    return h.hexdigest(), offset

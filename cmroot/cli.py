@@ -13,7 +13,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,7 +24,7 @@ import fsspec
 from cmroot import __version__
 from cmroot import checksum as cks
 from cmroot import config as cfg
-from cmroot.exceptions import BadRequest, CmrootError, NotFound, StoreLocked
+from cmroot.exceptions import BadRequest, ChecksumMismatch, CmrootError, NotFound, StoreLocked
 from cmroot.logs import setup_logging
 from cmroot.progress import Progress
 from cmroot.store import RecycleRequest, Store
@@ -220,11 +219,15 @@ class _Direct:
         return {"files": [r.to_json() for r in self.store.resolve(files)]}
 
     def get(self, path: str, checksum: str, out: Any) -> int:
-        ref = self.store.locate(path, checksum)
-        opener = ref.fs.open if ref.fs is not None else open
-        with opener(ref.path, "rb") as f:
-            shutil.copyfileobj(f, out, cks.CHUNK)
-        return ref.size
+        """Copy from the descriptor the store verified, never by reopening the path."""
+        with self.store.open_verified(path, checksum) as v:
+            n, copied = v.copy_to(out)
+        if copied != v.checksum:  # the bytes written are hashed as they are written
+            raise ChecksumMismatch(
+                "file changed while copied",
+                f"{path}: what was read no longer hashes to {checksum}; run cmroot get again",
+            )
+        return n
 
     def entries(self, **kw: Any) -> dict[str, Any]:
         rows = self.store.entries(**kw)

@@ -203,8 +203,8 @@ def assert_objects_match_names(env: Env) -> None:
 
 
 def assert_retrievable(store: Store, files: Mapping[str, bytes], status: str | None = None) -> None:
-    """Every (path, checksum) resolves (with `status` if given) and `locate` serves exactly
-    the original bytes."""
+    """Every (path, checksum) resolves (with `status` if given) and `open_verified` serves
+    exactly the original bytes."""
     pairs = pairs_of(files)
     res = store.resolve(pairs)
     assert [r.path for r in res] == [p["path"] for p in pairs]
@@ -213,9 +213,8 @@ def assert_retrievable(store: Store, files: Mapping[str, bytes], status: str | N
         if status is not None:
             assert r.status == status, f"{r.path} is {r.status}, expected {status}"
     for path, data in files.items():
-        ref = store.locate(path, cks.of_bytes(data))
-        if status is not None:
-            assert ref.status == status
-        with open(ref.path, "rb") as fh:
-            assert fh.read() == data, f"wrong bytes served for {path}"
-        assert ref.size == len(data)
+        with store.open_verified(path, cks.of_bytes(data)) as v:
+            if status is not None:
+                assert v.status == status
+            assert os.pread(v.fd, len(data) + 1, 0) == data, f"wrong bytes served for {path}"
+            assert v.size == len(data)

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import io
 import json
 import logging
 import os
-import stat
+import re
 import threading
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal, TypeVar
 
 from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -29,7 +29,7 @@ from cmroot.exceptions import (
 )
 from cmroot.metrics import Metrics, StoreCollector
 from cmroot.server.auth import Tokens
-from cmroot.store import FileRef, RecycleRequest, Store
+from cmroot.store import RecycleRequest, Store, Verified
 from cmroot.store.sweep import SweepReport
 
 log = logging.getLogger("cmroot.server")
@@ -37,7 +37,6 @@ T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 MAX_PAGE = 1000
-VERIFIED_CACHE = 100_000  # objects whose verification is remembered
 _REFUSED = (BadRequest, Forbidden, NotFound)  # refused before anything moved
 
 
@@ -54,9 +53,8 @@ class Service:
         registry.register(StoreCollector(store.index))
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="cmroot-store")
         self._gc_lock = threading.Lock()
-        # checksum -> (inode, size, mtime_ns) of an object whose bytes were last verified
-        self._verified: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
-        self._verified_lock = threading.Lock()
+        # Mismatches the store finds (objects quarantined, files changed while served).
+        store.reader.on_mismatch = self.metrics.checksum_mismatches.inc
 
     async def run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -76,61 +74,30 @@ class Service:
                 log.exception("retention sweep failed")
                 raise
             m.gc_runs.labels("failure" if report.failed else "success").inc()
-            m.gc_deleted_objects.inc(len(report.removed))
+            m.gc_deleted_objects.inc(report.removed_objects)
             m.gc_deleted_bytes.inc(report.removed_bytes)
             if not report.failed:
                 m.gc_last_success.set(self.store.clock())
             log.info(
                 "retention sweep",
                 extra={
-                    "removed": len(report.removed),
+                    "removed": report.removed_objects,
                     "bytes": report.removed_bytes,
-                    "failed": len(report.failed),
+                    "failed": report.failed,
                     "skipped": report.skipped,
                 },
             )
             return report
 
-    def verify_object(self, checksum: str, path: str) -> None:
-        """Raise ChecksumMismatch unless the object's bytes hash to its name. Objects are
-        immutable once published, so one that was verified and has not changed inode,
-        size or mtime since is not re-read: a replication job's many Range reads of one
-        large object cost one hash, not one each. (Silent bit rot is fsck's job.)"""
+    async def open_verified(self, path: str, checksum: str) -> Verified:
+        """Store.open_verified in a worker. If this request is cancelled (the client went
+        away) while the worker runs, the descriptor it opens is closed when it is done."""
+        cf = self.pool.submit(self.store.open_verified, path, checksum, INLINE_MAX)
         try:
-            st = os.stat(path)
-        except FileNotFoundError:  # swept since it was located
-            raise NotFound("no such file", f"object {checksum} is no longer in the store") from None
-        key = (st.st_ino, st.st_size, st.st_mtime_ns)
-        with self._verified_lock:
-            if self._verified.get(checksum) == key:
-                self._verified.move_to_end(checksum)
-                return
-        self.store.verify_object(checksum)
-        with self._verified_lock:
-            self._verified[checksum] = key
-            while len(self._verified) > VERIFIED_CACHE:
-                self._verified.popitem(last=False)
-
-    def fetch(self, path: str, checksum: str, inline: bool) -> tuple[FileRef, bytes | None]:
-        """Find the bytes of (path, checksum), verified (invariant 3), in one worker call.
-        A small local file is read and hashed here when `inline`: serving it from memory
-        costs far less than a sendfile round trip; anything else is left to sendfile."""
-        ref = self.store.locate(path, checksum)
-        if inline and cks.is_local(ref.fs) and ref.size <= INLINE_MAX:
-            try:
-                with open(ref.path, "rb") as f:
-                    data = f.read(ref.size + 1)
-            except FileNotFoundError:  # swept or replaced since it was located
-                raise NotFound("no such file", f"{path} with checksum {checksum} is gone") from None
-            if cks.of_bytes(data) != checksum:
-                raise ChecksumMismatch(
-                    "stored object is corrupt" if ref.status == "cmroot" else "original changed",
-                    f"{ref.path} no longer hashes to {checksum}; not served",
-                )
-            return ref, data
-        if ref.status == "cmroot":
-            self.verify_object(checksum, ref.path)
-        return ref, None
+            return await asyncio.wrap_future(cf)
+        except asyncio.CancelledError:
+            cf.add_done_callback(_close_result)
+            raise
 
     def ready(self) -> None:
         """Raise unless the index answers and the store root is writable."""
@@ -143,17 +110,17 @@ class Service:
         self.pool.shutdown(wait=True)
 
 
+def _close_result(cf: Future[Verified]) -> None:
+    if not cf.cancelled() and cf.exception() is None:
+        cf.result().close()
+
+
 SERVICE = web.AppKey("service", Service)
 INLINE_MAX = 1 << 20  # files up to this size are served from memory, hashed as read
-# Requests aiohttp's FileResponse answers specially (ranges, conditionals): not inlined.
-_CONDITIONAL_HEADERS = (
-    hdrs.RANGE,
-    hdrs.IF_MATCH,
-    hdrs.IF_NONE_MATCH,
-    hdrs.IF_MODIFIED_SINCE,
-    hdrs.IF_UNMODIFIED_SINCE,
-    hdrs.IF_RANGE,
-)
+# The last bytes of a sendfile'd response are held back until the descriptor's identity
+# is checked again: a file changed while it was sent is cut short, never completed.
+_HELD_BACK = 1 << 16
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 
 
 def _file_headers(checksum: str, status: str) -> dict[str, str]:
@@ -329,81 +296,141 @@ async def resolve(request: web.Request) -> web.Response:
     return _json({"files": [r.to_json() for r in out]})
 
 
-class _ObjectFile(web.FileResponse):
-    """A FileResponse that serves exactly the file named (aiohttp would otherwise pick a
-    `.gz`/`.br` sibling when the client accepts compression) and whose ETag is the
-    checksum, which identifies the bytes better than mtime and size."""
-
-    def __init__(self, path: str, checksum: str, status: str) -> None:
-        super().__init__(
-            path,
-            chunk_size=1 << 18,
-            headers=_file_headers(checksum, status),
-        )
-        self._checksum = checksum
-
-    async def prepare(self, request: web.BaseRequest) -> Any:
-        # The handler prepares (sends) the file itself to count the bytes served; aiohttp
-        # then calls prepare again, which FileResponse (unlike StreamResponse) does not
-        # guard against: it would try to send the file a second time and fail.
-        if self.prepared:
-            return None
-        return await super().prepare(request)
-
-    def _get_file_path_stat_encoding(self, accept_encoding: str) -> Any:
-        st = self._path.stat()
-        return (self._path if stat.S_ISREG(st.st_mode) else None), st, None
-
-    @property
-    def etag(self) -> Any:
-        return super().etag
-
-    @etag.setter
-    def etag(self, value: Any) -> None:
-        self._headers[hdrs.ETAG] = f'"{self._checksum}"'
-
-
 async def files(request: web.Request) -> web.StreamResponse:
+    """The bytes of (path, checksum), from the descriptor the store verified (invariant 3):
+    small files from memory (read and hashed in one go), larger ones by sendfile from that
+    descriptor. One Range (also suffix and open-ended) answers 206, or 416 when it starts
+    past the end; If-None-Match on the checksum ETag answers 304."""
     svc = request.app[SERVICE]
     path, checksum = request.query.get("path"), request.query.get("checksum")
     if path is None or checksum is None:
         raise BadRequest("missing query parameter", "give ?path=...&checksum=...")
-    inline = request.method == hdrs.METH_GET and not any(
-        h in request.headers for h in _CONDITIONAL_HEADERS
-    )
-    ref, body = await svc.run(svc.fetch, path, checksum, inline)
-    if body is not None:
-        headers = _file_headers(checksum, ref.status)
-        resp: web.StreamResponse = web.Response(body=body, headers=headers)
-    elif cks.is_local(ref.fs):
-        resp = _ObjectFile(ref.path, checksum, ref.status)
-        await resp.prepare(request)
-    else:
-        resp = await _stream_remote(request, svc, ref.fs, ref.path, ref.size, checksum, ref.status)
-    if request.method == hdrs.METH_GET and resp.status in (200, 206):
-        svc.metrics.served_bytes.inc(resp.content_length or 0)
-    return resp
-
-
-async def _stream_remote(
-    request: web.Request, svc: Service, fs: Any, path: str, size: int, checksum: str, status: str
-) -> web.StreamResponse:
-    """An original on another filesystem: streamed through, whole (no Range)."""
-    headers = _file_headers(checksum, status)
-    del headers[hdrs.ACCEPT_RANGES]
-    resp = web.StreamResponse(headers=headers)
-    resp.content_length = size
-    await resp.prepare(request)
-    if request.method == hdrs.METH_HEAD:
-        return resp
-    f = await svc.run(fs.open, path, "rb")
+    v = await svc.open_verified(path, checksum)
     try:
-        while chunk := await svc.run(f.read, cks.CHUNK):
-            await resp.write(chunk)
+        return await _serve(request, svc, v)
     finally:
-        await svc.run(f.close)
-    await resp.write_eof()
+        v.close()
+
+
+async def _serve(request: web.Request, svc: Service, v: Verified) -> web.StreamResponse:
+    headers = _file_headers(v.checksum, v.status)
+    etag = f'"{v.checksum}"'
+    if _etag_in(request.headers.get(hdrs.IF_NONE_MATCH), etag):
+        return web.Response(status=304, headers={hdrs.ETAG: etag})
+    first, count, status = 0, v.size, 200
+    if_range = request.headers.get(hdrs.IF_RANGE)
+    raw_range = request.headers.get(hdrs.RANGE)
+    if raw_range is not None and (if_range is None or if_range.strip() == etag):
+        rng = _byte_range(raw_range, v.size)
+        if rng is False:
+            refused = _error(
+                416, "range not satisfiable", f"{raw_range!r}: the file has {v.size} bytes"
+            )
+            refused.headers[hdrs.CONTENT_RANGE] = f"bytes */{v.size}"
+            return refused
+        if rng is not None:
+            first, count, status = rng[0], rng[1] - rng[0] + 1, 206
+            headers[hdrs.CONTENT_RANGE] = f"bytes {rng[0]}-{rng[1]}/{v.size}"
+    if v.data is not None:
+        resp: web.StreamResponse = web.Response(
+            body=v.data[first : first + count], status=status, headers=headers
+        )
+    else:
+        resp = web.StreamResponse(status=status, headers=headers)
+        resp.content_length = count
+        await resp.prepare(request)
+        if request.method != hdrs.METH_HEAD and count:
+            await _send_fd(request, resp, svc, v, first, count)
+        await resp.write_eof()
+    if request.method == hdrs.METH_GET:
+        svc.metrics.served_bytes.inc(count)
     return resp
+
+
+def _etag_in(header: str | None, etag: str) -> bool:
+    if header is None:
+        return False
+    tags = [t.strip() for t in header.split(",")]
+    return "*" in tags or etag in tags or f"W/{etag}" in tags
+
+
+def _byte_range(header: str, size: int) -> tuple[int, int] | Literal[False] | None:
+    """(first, last) of a single byte range; None to ignore the header (not one range we
+    can parse: RFC 9110 lets a server answer 200 then); False when unsatisfiable."""
+    m = _RANGE.fullmatch(header.replace(" ", ""))
+    if m is None or m.group(1) == m.group(2) == "":
+        return None
+    a, b = m.groups()
+    if a == "":
+        n = int(b)
+        if n == 0 or size == 0:
+            return False
+        return max(0, size - n), size - 1
+    first = int(a)
+    last = int(b) if b else size - 1
+    if last < first:
+        return None
+    if first >= size:
+        return False
+    return first, min(last, size - 1)
+
+
+async def _send_fd(
+    request: web.Request, resp: web.StreamResponse, svc: Service, v: Verified, first: int,
+    count: int,
+) -> None:
+    """Send `count` bytes from `first` of the verified descriptor: sendfile where the
+    transport has it (as aiohttp's FileResponse does), else pread in chunks. The tail is
+    held back until the descriptor is known unchanged (or re-hashes to the checksum):
+    a file a writer changed meanwhile is cut short, so no complete wrong body goes out."""
+    loop = asyncio.get_running_loop()
+    transport = request.transport
+    if transport is None:
+        raise ConnectionResetError("connection lost")
+    head = count - min(count, _HELD_BACK)
+    if head:
+        f = io.FileIO(v.fd, "rb", closefd=False)
+        try:
+            await loop.sendfile(transport, f, first, head)
+        except NotImplementedError:
+            await _write_chunks(resp, svc, v, first, head)
+        finally:
+            f.close()
+    tail = await svc.run(_tail_if_unchanged, svc, v, first + head, count - head)
+    if tail is None:
+        transport.abort()
+        raise ConnectionResetError("file changed while served")
+    await resp.write(tail)
+
+
+async def _write_chunks(
+    resp: web.StreamResponse, svc: Service, v: Verified, offset: int, count: int
+) -> None:
+    end = offset + count
+    while offset < end:
+        chunk = await svc.run(v.pread, min(1 << 18, end - offset), offset)
+        if not chunk:
+            raise ConnectionResetError("file shrank while served")
+        await resp.write(chunk)
+        offset += len(chunk)
+
+
+def _tail_if_unchanged(svc: Service, v: Verified, offset: int, count: int) -> bytes | None:
+    """The last bytes of a response, or None if the file no longer holds the verified
+    bytes (counted and logged as a mismatch: the response is then cut short)."""
+    if not v.unchanged():
+        # Identity moved (a link count change moves ctime too): look at the bytes.
+        got, _ = cks.of_fd(v.fd)
+        if got != v.checksum:
+            log.error(
+                "checksum mismatch: file changed while served; response cut short",
+                extra={"checksum": v.checksum, "status": str(v.status)},
+            )
+            if svc.store.reader.on_mismatch is not None:
+                svc.store.reader.on_mismatch()
+            return None
+    tail = os.pread(v.fd, count, offset)
+    return tail if len(tail) == count else None
 
 
 async def entries(request: web.Request) -> web.Response:

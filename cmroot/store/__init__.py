@@ -9,17 +9,17 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from cmroot import checksum as cks
 from cmroot.config import Config, StoreConfig, local_path
-from cmroot.exceptions import BadRequest, ChecksumMismatch, ConfigError, NotFound
+from cmroot.exceptions import BadRequest, ConfigError, NotFound
 from cmroot.index import Entry, Event, Index
 from cmroot.store.fsck import LIMIT as FSCK_LIMIT
 from cmroot.store.fsck import FsckReport, fsck
 from cmroot.store.layout import Layout
 from cmroot.store.objects import Objects
+from cmroot.store.read import Quarantined, Reader, Verified
 from cmroot.store.recycle import (
     Progress,
     Recycler,
@@ -31,7 +31,15 @@ from cmroot.store.resolve import Resolution, Resolver, parse_pairs
 from cmroot.store.sweep import SweepReport, sweep
 from cmroot.store.warehouse import Located, Warehouse
 
-__all__ = ["EVENT_TYPES", "FileRef", "RecycleRequest", "RecycleResult", "Resolution", "Store"]
+__all__ = [
+    "EVENT_TYPES",
+    "Quarantined",
+    "RecycleRequest",
+    "RecycleResult",
+    "Resolution",
+    "Store",
+    "Verified",
+]
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +59,6 @@ EVENT_TYPES = (
     )
     | METADATA_DROPS
 )
-
-
-@dataclass(frozen=True)
-class FileRef:
-    """Where the bytes of a (path, checksum) pair are: the original or the store's object."""
-
-    status: str
-    fs: Any
-    path: str
-    size: int
 
 
 class Store:
@@ -87,6 +85,7 @@ class Store:
         self.objects = Objects(self.layout, index)
         self.recycler = Recycler(self.layout, index, self.objects, self.warehouse, config, clock)
         self.resolver = Resolver(self.layout, index, not readonly, cks.default_workers())
+        self.reader = Reader(self.layout, index, self.warehouse, clock, readonly)
         if not readonly and (n := self.recycler.recover()):
             log.warning("rolled back interrupted recycles", extra={"count": n})
 
@@ -185,6 +184,8 @@ class Store:
                 raise NotFound("no such file", f"file #{i} {loc.key} is not a file on disk")
         sums = self.resolver.checksums([o for _, _, o in found if o is not None])
         for i, loc, original in found:
+            if loc.key not in sums:
+                raise NotFound("no such file", f"file #{i} {loc.key} vanished while hashed")
             clean[i]["checksum"] = sums[loc.key]
             clean[i]["size"] = original.size if original is not None else 0
         return clean
@@ -212,31 +213,13 @@ class Store:
     def resolve(self, pairs: object) -> list[Resolution]:
         return self.resolver.resolve(parse_pairs(self.warehouse, pairs))
 
-    def locate(self, path: object, checksum: object) -> FileRef:
-        """The verified bytes for (path, checksum): the original if it still hashes to the
-        checksum, else the store's object if an entry records that pair."""
-        c = cks.validate(checksum)
-        loc = self.warehouse.locate(path)
-        self.warehouse.confirm(loc)
-        original = self.resolver.original(loc)
-        if original is not None and self.resolver.checksums([original])[loc.key] == c:
-            return FileRef("original", loc.root.fs, loc.path, original.size)
-        if self.index.recorded([(loc.key, c)]):
-            obj = self.layout.object_path(c)
-            try:
-                return FileRef("cmroot", None, obj, os.path.getsize(obj))
-            except FileNotFoundError:
-                pass
-        raise NotFound(
-            "no such file", f"{loc.key} with checksum {c} is neither at its path nor in the store"
-        )
-
-    def verify_object(self, checksum: str) -> None:
-        """Re-hash a stored object; raise ChecksumMismatch if its bytes changed on disk."""
-        if cks.of_local_file(self.layout.object_path(checksum), private=True) != checksum:
-            raise ChecksumMismatch(
-                "stored object is corrupt", f"object {checksum}: run cmroot fsck"
-            )
+    def open_verified(self, path: object, checksum: object, inline_max: int = 0) -> Verified:
+        """The verified bytes for (path, checksum), as an open descriptor (invariant 3):
+        the original if it still hashes to the checksum, else the store's object if an
+        entry records that pair. Serve from `Verified.fd` (or `.data`), never by path;
+        close it when done. Raises NotFound (also for an object found corrupt, which is
+        quarantined)."""
+        return self.reader.open_verified(path, checksum, inline_max)
 
     def entries(
         self,

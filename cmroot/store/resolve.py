@@ -1,10 +1,10 @@
 """Resolve (path, checksum) pairs: is the original still those bytes, or is a copy in the
-store, or neither. Checksums of originals are cached by (path, size, mtime) so a
-replication load that resolves the same files again does not re-read them."""
+store, or neither. Checksums of originals are cached by (path, identity): a replication
+load that resolves the same files again does not re-read them, and a file whose identity
+changed (ctime moves even when a writer restores size and mtime) is read again."""
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 from collections.abc import Sequence
@@ -15,6 +15,7 @@ from typing import Any
 from cmroot import checksum as cks
 from cmroot.exceptions import BadRequest, CmrootError
 from cmroot.index import Index
+from cmroot.store import read
 from cmroot.store.layout import Layout
 from cmroot.store.warehouse import Located, Warehouse
 
@@ -41,9 +42,12 @@ class Resolution:
 
 @dataclass(frozen=True)
 class _Original:
+    """A regular file at a pair's path: its size and identity (see read.ident_str, or
+    read.remote_ident on object stores; None when the filesystem gives none)."""
+
     loc: Located
     size: int
-    mtime_ns: int | None
+    ident: str | None
 
 
 def parse_pairs(warehouse: Warehouse, pairs: object) -> list[tuple[Located, str]]:
@@ -78,7 +82,7 @@ class Resolver:
         rest = []
         for i, (loc, c) in enumerate(pairs):
             o = originals.get(loc.key)
-            if o is not None and sums[loc.key] == c:
+            if o is not None and sums.get(loc.key) == c:
                 out.append(Resolution(loc.key, c, "original", loc.key, o.size))
             else:
                 out.append(None)
@@ -94,22 +98,27 @@ class Resolver:
         return [r for r in out if r is not None]
 
     def checksums(self, originals: list[_Original]) -> dict[str, str]:
-        """Checksums of existing originals: from the cache when size and mtime match."""
+        """Checksums of existing originals: from the cache while their identity is the
+        one cached, else hashed. A local file is hashed from the descriptor its identity
+        was taken from, and is left out (no checksum) if it vanished or changed while
+        hashed: such a pair is then not `original`."""
         sums = self.index.cached_checksums(
-            [(o.loc.key, o.size, o.mtime_ns) for o in originals if o.mtime_ns is not None]
+            [(o.loc.key, o.ident) for o in originals if o.ident is not None]
         )
         todo = [o for o in originals if o.loc.key not in sums]
         if todo:
             with ThreadPoolExecutor(self.workers) as pool:
-                fresh = list(pool.map(lambda o: cks.of_file(o.loc.root.fs, o.loc.path), todo))
-            for o, c in zip(todo, fresh, strict=True):
+                fresh = list(pool.map(_hash, todo))
+            rows = []
+            for o, got in zip(todo, fresh, strict=True):
+                if got is None:
+                    continue
+                ident, c = got
                 sums[o.loc.key] = c
-            if self.cache_writes:
-                self.index.cache_checksums(
-                    (o.loc.key, o.size, o.mtime_ns, c)
-                    for o, c in zip(todo, fresh, strict=True)
-                    if o.mtime_ns is not None
-                )
+                if ident is not None:
+                    rows.append((o.loc.key, ident, c))
+            if self.cache_writes and rows:
+                self.index.cache_checksums(rows)
         return sums
 
     def original(self, loc: Located) -> _Original | None:
@@ -117,30 +126,60 @@ class Resolver:
 
 
 def _stat(loc: Located) -> _Original | None:
-    if loc.statted:
-        return _Original(loc, loc.st.st_size, loc.st.st_mtime_ns) if loc.st else None
+    """The file at a pair's path, if a regular one is there: locally, opened below its root
+    with no symlink followed, and fstat'ed (a symlink on the way means no original)."""
     if loc.local:
-        try:
-            st = os.stat(loc.key)
-        except (FileNotFoundError, NotADirectoryError):
+        if loc.statted and loc.st is None:
+            return None  # confining it just found no regular file there
+        fd = read.open_original(loc)
+        if fd is None:
             return None
+        try:
+            st = os.fstat(fd)
         except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENAMETOOLONG):  # a symlink loop: no file there
+            if e.errno in read.VANISHED:
                 return None
             raise
+        finally:
+            os.close(fd)
         if not stat.S_ISREG(st.st_mode):
             return None
-        return _Original(loc, st.st_size, st.st_mtime_ns)
+        return _Original(loc, st.st_size, read.ident_str(read.ident_of(st)))
     try:
         info = loc.root.fs.info(loc.path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     if info.get("type") != "file":
         return None
-    mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
-    mtime_ns = (
-        int(mtime.timestamp() * 1e9)
-        if hasattr(mtime, "timestamp")
-        else (int(float(mtime) * 1e9) if mtime is not None else None)
-    )
-    return _Original(loc, int(info.get("size") or 0), mtime_ns)
+    return _Original(loc, int(info.get("size") or 0), read.remote_ident(info))
+
+
+def _hash(o: _Original) -> tuple[str | None, str] | None:
+    """(identity, checksum) of an original, read once; None if it is gone, or kept
+    changing while hashed. Local files: open, fstat, hash from that descriptor, fstat
+    again: the identity cached is the one the bytes were read under."""
+    if not o.loc.local:
+        try:
+            return o.ident, cks.of_file(o.loc.root.fs, o.loc.path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+    fd = read.open_original(o.loc)
+    if fd is None:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        before = read.ident_of(st)
+        if read.ident_str(before) != o.ident:
+            return None  # replaced since it was looked at: answer for neither version
+        c, _ = cks.of_fd(fd)
+        if read.ident_of(os.fstat(fd)) != before:
+            return None  # written to while we read it: no answer to cache or trust
+        return o.ident, c
+    except OSError as e:
+        if e.errno in read.VANISHED:
+            return None
+        raise
+    finally:
+        os.close(fd)

@@ -105,7 +105,7 @@ def test_symlink_escaping_a_root_as_the_named_path(env, store, world) -> None:
     refused(env, recycle(store, f"{dlink}/secret.txt"), OutsideRoots)
     refused(env, resolve(store, f"{dlink}/secret.txt", cks.of_bytes(b"do not touch")), BadRequest)
     with pytest.raises(CmrootError):
-        store.locate(f"{dlink}/secret.txt", cks.of_bytes(b"do not touch"))
+        store.open_verified(f"{dlink}/secret.txt", cks.of_bytes(b"do not touch"))
     assert secret.read_bytes() == b"do not touch"
 
 
@@ -231,7 +231,7 @@ def test_malformed_checksums(env, store, world, checksum) -> None:
     p = sorted(files)[0]
     e = refused(env, resolve(store, p, checksum), BadRequest, "checksum", "#0")
     assert e.status == 400
-    refused(env, lambda: store.locate(p, checksum), BadRequest, "checksum")
+    refused(env, lambda: store.open_verified(p, checksum), BadRequest, "checksum")
 
 
 def test_a_bad_pair_refuses_the_batch_and_names_the_pair(env, store, world) -> None:
@@ -390,8 +390,8 @@ def test_arbitrary_paths_to_resolve_and_locate(prop, data) -> None:
     except CmrootError as e:
         assert e.status == 400 and str(e)
     try:
-        ref = w.store.locate(path, checksum)
-        assert ref.status in ("original", "cmroot")
+        with w.store.open_verified(path, checksum) as v:
+            assert v.status in ("original", "cmroot")
     except CmrootError as e:
         assert e.status in (400, 403, 404) and str(e)
     assert _state(w) == before

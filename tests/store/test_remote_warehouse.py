@@ -51,10 +51,9 @@ def test_move_from_remote_copies_then_deletes(remote):
     assert sorted(f.path for f in res.files) == sorted(f"memory:/{p}" for p in files)
     assert not fs.find(f"/{bucket}/db/t")
     for f in res.files:
-        ref = store.locate(f.path, f.checksum)
-        assert ref.status == "cmroot"
-        with open(ref.path, "rb") as fh:
-            assert fh.read() == files[f.path[len("memory:/") :]]
+        with store.open_verified(f.path, f.checksum) as v:
+            assert v.status == "cmroot"
+            assert os.pread(v.fd, 1 << 20, 0) == files[f.path[len("memory:/") :]]
     assert not os.listdir(store.layout.staging)
 
 

@@ -1,5 +1,5 @@
-"""Resolve and locate: per pair `original` / `cmroot` / `missing`, in request order, for
-thousands of pairs per call; originals' checksums cached by (path, size, mtime)."""
+"""Resolve and open_verified: per pair `original` / `cmroot` / `missing`, in request order, for
+thousands of pairs per call; originals' checksums cached by (path, identity)."""
 
 from __future__ import annotations
 
@@ -17,17 +17,23 @@ from cmroot.store.resolve import MAX_PAIRS
 
 
 class CountingHash:
-    """Wraps cmroot.checksum.of_file and counts the files it reads."""
+    """Wraps cmroot.checksum.of_fd (what resolve and open_verified hash files with, from
+    the descriptor they opened) and of_file, and counts the files they read."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.paths: list[str] = []
-        real = cks.of_file
+        real, real_fd = cks.of_file, cks.of_fd
 
         def of_file(fs, path):
             self.paths.append(path)
             return real(fs, path)
 
+        def of_fd(fd):
+            self.paths.append(os.readlink(f"/proc/self/fd/{fd}"))
+            return real_fd(fd)
+
         monkeypatch.setattr(cks, "of_file", of_file)
+        monkeypatch.setattr(cks, "of_fd", of_fd)
 
     def take(self) -> list[str]:
         out, self.paths = self.paths, []
@@ -45,8 +51,8 @@ def test_checksum_cache_skips_unchanged_originals_and_rehashes_changed_ones(
     assert sorted(hashed.take()) == sorted(files)  # the first resolve reads every file
     assert {r.status for r in store.resolve(pairs)} == {"original"}
     assert hashed.take() == []  # the second reads none
-    ref = store.locate(pairs[0]["path"], pairs[0]["checksum"])
-    assert ref.status == "original" and hashed.take() == []
+    with store.open_verified(pairs[0]["path"], pairs[0]["checksum"]) as v:
+        assert v.status == "original" and hashed.take() == []
 
     p_size, p_mtime, p_same = sorted(files)[:3]
     # size change: new bytes appended
@@ -142,13 +148,15 @@ def test_original_wins_while_it_still_holds_the_bytes(env, store) -> None:
     store.recycle(RecycleRequest(paths=[p], mode="copy", op="INSERT_OVERWRITE"))
     c = cks.of_bytes(data)
     assert store.resolve([{"path": p, "checksum": c}])[0].status == "original"
-    assert store.locate(p, c).status == "original"
+    with store.open_verified(p, c) as v:
+        assert v.status == "original"
     Path(p).write_bytes(b"overwritten")
     assert store.resolve([{"path": p, "checksum": c}])[0].status == "cmroot"
-    ref = store.locate(p, c)
-    assert ref.status == "cmroot"
-    assert Path(ref.path).read_bytes() == data
-    assert store.locate(p, cks.of_bytes(b"overwritten")).status == "original"
+    with store.open_verified(p, c) as v:
+        assert v.status == "cmroot"
+        assert os.pread(v.fd, 1000, 0) == data
+    with store.open_verified(p, cks.of_bytes(b"overwritten")) as v:
+        assert v.status == "original"
 
 
 def test_a_recorded_pair_whose_object_is_gone_is_missing(env, store) -> None:
@@ -159,7 +167,7 @@ def test_a_recorded_pair_whose_object_is_gone_is_missing(env, store) -> None:
     os.unlink(env.objects_dir / c[:2] / c[2:4] / c)
     assert store.resolve([{"path": p, "checksum": c}])[0].status == "missing"
     with pytest.raises(NotFound):
-        store.locate(p, c)
+        store.open_verified(p, c)
 
 
 def test_directories_and_missing_parents_are_not_originals(env, store) -> None:

@@ -1,0 +1,412 @@
+"""Verified reads (invariant 3): the bytes of (path, checksum), opened once and checked
+from the very descriptor that then serves them.
+
+A path checked by name and reopened to be served can be swapped in between (a symlink to
+a secret, other bytes renamed over it). So the original is opened once, below its root's
+descriptor with no symlink followed (`confined.open_beneath`), fstat'ed, and hashed by
+pread from that descriptor; the daemon and the CLI then copy from the same descriptor.
+
+A verification is remembered (a bounded LRU in memory) keyed on the checksum and the
+file's identity `(st_dev, st_ino, size, mtime_ns, ctime_ns)`: a writer can restore mtime
+(`cp -p`, `os.utime`) but never ctime. An identity that moved while hashing is not
+trusted. Store objects are hard links of the recycled inode, so a writer that kept a
+descriptor from before the recycle can still change them: an object that no longer hashes
+to its name is quarantined, reported and counted, and never served."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import tempfile
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from cmroot import checksum as cks
+from cmroot.exceptions import NotFound
+from cmroot.index import Index
+from cmroot.store import confined
+from cmroot.store.layout import Layout
+from cmroot.store.warehouse import Located, Warehouse
+from cmroot.vocab import Status
+
+log = logging.getLogger(__name__)
+
+Ident = tuple[int, int, int, int, int]  # st_dev, st_ino, size, mtime_ns, ctime_ns
+TRUSTED = 100_000  # verifications remembered
+_ATTEMPTS = 3  # hashes of a file whose identity keeps moving before giving up on it
+# O_NONBLOCK: a FIFO planted in the warehouse must not block the open; it is then
+# refused by fstat like any other special file.
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+# Errors that mean the file went away between two steps (NFS says ESTALE).
+VANISHED = frozenset({errno.ENOENT, errno.ESTALE, errno.ENOTDIR})
+# Errors of an open that mean "no readable regular file here, through no symlink".
+NO_FILE = (
+    VANISHED
+    | confined.ESCAPE
+    | frozenset(
+        {
+            errno.EACCES,
+            errno.EPERM,
+            errno.EISDIR,
+            errno.ENAMETOOLONG,
+            errno.ENXIO,
+            errno.EINVAL,
+            errno.ENODEV,
+            errno.EOPNOTSUPP,
+        }
+    )
+)
+
+
+class Quarantined(NotFound):
+    """The store's object did not hash to its name: moved aside, never served (a 404: the
+    request was fine, the bytes are not there)."""
+
+
+def ident_of(st: os.stat_result) -> Ident:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def ident_str(ident: Ident) -> str:
+    """The identity as the index's checksum cache keys it."""
+    return "local:" + ":".join(str(x) for x in ident)
+
+
+def remote_ident(info: dict[str, Any]) -> str | None:
+    """An object store file's identity: its version id or ETag, else (weakest) size and
+    modification time; None when the filesystem gives none of them."""
+    for key in ("VersionId", "version_id", "ETag", "etag", "generation"):
+        if info.get(key):
+            return f"{key.lower()}:{info[key]}"
+    mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
+    if mtime is None:
+        return None
+    t = mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime)
+    return f"size-mtime:{int(info.get('size') or 0)}:{int(t * 1e9)}"
+
+
+@dataclass(eq=False)
+class Verified:
+    """An open, verified file: `fd` holds bytes that hashed to `checksum` when `ident` was
+    its identity. `data` is the whole content when it was small enough to be read (and
+    hashed) in one go. Close it (or use it as a context manager)."""
+
+    status: Status
+    checksum: str
+    size: int
+    ident: Ident
+    fd: int
+    data: bytes | None = None
+    _closed: bool = field(default=False, repr=False)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            os.close(self.fd)
+
+    def __enter__(self) -> Verified:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def unchanged(self) -> bool:
+        """Whether the descriptor's identity is still the one that was verified."""
+        try:
+            return ident_of(os.fstat(self.fd)) == self.ident
+        except OSError:
+            return False
+
+    def pread(self, n: int, offset: int) -> bytes:
+        if self.data is not None:
+            return self.data[offset : offset + n]
+        return os.pread(self.fd, n, offset)
+
+    def copy_to(self, out: Any, chunk: int = cks.CHUNK) -> tuple[int, str]:
+        """Write the whole verified content to a binary stream, hashing what is written:
+        (bytes written, their checksum), which the caller compares with `checksum`."""
+        if self.data is not None:
+            out.write(self.data)
+            return len(self.data), cks.of_bytes(self.data)
+        h = xxhash.xxh3_128()
+        offset = 0
+        while buf := os.pread(self.fd, chunk, offset):
+            h.update(buf)
+            out.write(buf)
+            offset += len(buf)
+        return offset, h.hexdigest()
+
+
+class TrustCache:
+    """Bounded LRU of (checksum, identity) pairs whose bytes were verified."""
+
+    def __init__(self, bound: int = TRUSTED) -> None:
+        self.bound = bound
+        self._seen: OrderedDict[tuple[str, Ident], None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __contains__(self, key: tuple[str, Ident]) -> bool:
+        with self._lock:
+            if key in self._seen:
+                self._seen.move_to_end(key)
+                return True
+            return False
+
+    def add(self, key: tuple[str, Ident]) -> None:
+        with self._lock:
+            self._seen[key] = None
+            self._seen.move_to_end(key)
+            while len(self._seen) > self.bound:
+                self._seen.popitem(last=False)
+
+
+@dataclass
+class _Check:
+    matched: bool
+    stable: bool  # identity unchanged across the hash that decided
+    ident: Ident
+    data: bytes | None = None
+
+
+class Reader:
+    """`open_verified` and what it needs: the roots, the index, the store's layout."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        index: Index,
+        warehouse: Warehouse,
+        clock: Callable[[], float],
+        readonly: bool,
+    ) -> None:
+        self.layout = layout
+        self.index = index
+        self.warehouse = warehouse
+        self.clock = clock
+        self.readonly = readonly
+        self.trusted = TrustCache()
+        # Called once per mismatch found (the daemon counts them).
+        self.on_mismatch: Callable[[], None] | None = None
+
+    def open_verified(self, path: object, checksum: object, inline_max: int = 0) -> Verified:
+        """The bytes of (path, checksum): the original if it still hashes to the checksum,
+        else the store's object if an entry records that pair. Files up to `inline_max`
+        bytes are read whole (`Verified.data`), hashed as read. Raises NotFound."""
+        c = cks.validate(checksum)
+        loc = self.warehouse.locate(path)
+        original = self._original(loc, c, inline_max)
+        if original is not None:
+            return original
+        if self.index.recorded([(loc.key, c)]):
+            obj = self._object(loc.key, c, inline_max)
+            if obj is not None:
+                return obj
+            if self._quarantined(c):
+                raise Quarantined(
+                    "stored object is corrupt",
+                    f"object {c} of {loc.key} did not hash to its name and was quarantined;"
+                    " run cmroot fsck",
+                )
+        raise NotFound(
+            "no such file", f"{loc.key} with checksum {c} is neither at its path nor in the store"
+        )
+
+    # -- originals ------------------------------------------------------------------------
+    def _original(self, loc: Located, c: str, inline_max: int) -> Verified | None:
+        if not loc.local:
+            return self._remote(loc, c, inline_max)
+        if loc.statted and loc.st is None:
+            return None  # confining it just found no regular file there
+        fd = open_original(loc)
+        if fd is None:
+            return None
+        try:
+            check = self._check(fd, c, inline_max, loc.key)
+            if check is not None and check.matched and check.stable:
+                return self._verified(Status.ORIGINAL, c, fd, check)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        return None
+
+    def _remote(self, loc: Located, c: str, inline_max: int) -> Verified | None:
+        """An object-store original, streamed once into an unnamed file in the store's
+        staging area while hashed: what is served is that verified copy."""
+        fs = loc.root.fs
+        try:
+            info = fs.info(loc.path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if info.get("type") != "file":
+            return None
+        ident = remote_ident(info)
+        if ident is not None:
+            cached = self.index.cached_checksums([(loc.key, ident)]).get(loc.key)
+            if cached is not None and cached != c:
+                return None  # known to hold other bytes: do not download it
+        h = xxhash.xxh3_128()
+        with tempfile.TemporaryFile(dir=self.layout.staging) as tmp:
+            try:
+                with fs.open(loc.path, "rb") as f:
+                    while chunk := f.read(cks.CHUNK):
+                        h.update(chunk)
+                        tmp.write(chunk)
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+            tmp.flush()
+            if h.hexdigest() != c:
+                return None
+            fd = os.dup(tmp.fileno())
+        st = os.fstat(fd)
+        data = cks.read_fd(fd, st.st_size) if st.st_size <= inline_max else None
+        return Verified(Status.ORIGINAL, c, st.st_size, ident_of(st), fd, data)
+
+    # -- store objects --------------------------------------------------------------------
+    def _object(self, key: str, c: str, inline_max: int) -> Verified | None:
+        try:
+            with confined.directory(self.layout.objects) as ofd:
+                fd = confined.open_beneath(ofd, object_rel(c), READ_FLAGS)
+        except OSError as e:
+            if e.errno in NO_FILE:
+                return None
+            raise
+        try:
+            check = self._check(fd, c, inline_max, None)
+            if check is None:
+                os.close(fd)
+                return None
+            if check.matched:
+                return self._verified(Status.CMROOT, c, fd, check)
+            self._mismatch(key, c, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        raise Quarantined(
+            "stored object is corrupt",
+            f"object {c} of {key} does not hash to its name"
+            + ("; quarantined" if not self.readonly else "")
+            + "; not served: run cmroot fsck",
+        )
+
+    def _mismatch(self, key: str, c: str, fd: int) -> None:
+        if self.on_mismatch is not None:
+            self.on_mismatch()
+        where = None if self.readonly else self._quarantine(c, os.fstat(fd))
+        log.error(
+            "checksum mismatch: stored object is corrupt, not served",
+            extra={"checksum": c, "path": key, "quarantined": where},
+        )
+
+    def _quarantine(self, c: str, st: os.stat_result) -> str | None:
+        """Move the object we checked (the same inode, not whatever took its name since)
+        to <store>/quarantine/<checksum>.<unix time>; its new path, or None."""
+        os.makedirs(self.layout.quarantine, exist_ok=True)
+        name = f"{c}.{int(self.clock())}"
+        try:
+            with (
+                confined.directory(self.layout.objects) as ofd,
+                confined.parent_of(ofd, object_rel(c)) as (sfd, base),
+                confined.directory(self.layout.quarantine) as qfd,
+            ):
+                cur = os.stat(base, dir_fd=sfd, follow_symlinks=False)
+                if (cur.st_dev, cur.st_ino) != (st.st_dev, st.st_ino):
+                    return None  # already moved, or replaced by a fresh publish
+                n = 0
+                while True:
+                    dest = name if n == 0 else f"{name}.{n}"
+                    try:
+                        os.stat(dest, dir_fd=qfd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        break
+                    n += 1
+                os.rename(base, dest, src_dir_fd=sfd, dst_dir_fd=qfd)
+                return os.path.join(self.layout.quarantine, dest)
+        except OSError as e:
+            if e.errno in VANISHED:
+                return None
+            raise
+
+    def _quarantined(self, c: str) -> bool:
+        try:
+            return any(n.startswith(c + ".") for n in os.listdir(self.layout.quarantine))
+        except FileNotFoundError:
+            return False
+
+    # -- the check ------------------------------------------------------------------------
+    def _check(self, fd: int, c: str, inline_max: int, cache_key: str | None) -> _Check | None:
+        """Hash the open file (or trust an earlier verification of this very identity).
+        None when it is not a regular file or vanished meanwhile."""
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            ident = ident_of(st)
+            if st.st_size <= inline_max:
+                # What is read is what will be served: its hash alone decides.
+                data = cks.read_fd(fd, st.st_size)
+                ok = len(data) <= inline_max and cks.of_bytes(data) == c
+                return _Check(ok, True, ident, data)
+            if (c, ident) in self.trusted:
+                return _Check(True, True, ident)
+            if cache_key is not None:
+                cached = self.index.cached_checksums([(cache_key, ident_str(ident))])
+                if cache_key in cached:
+                    ok = cached[cache_key] == c
+                    if ok:
+                        self.trusted.add((c, ident))
+                    return _Check(ok, True, ident)
+            check = _Check(False, False, ident)
+            for _ in range(_ATTEMPTS):
+                got, _n = cks.of_fd(fd)
+                after = ident_of(os.fstat(fd))
+                check = _Check(got == c, after == ident, after)
+                if check.stable:
+                    if check.matched:
+                        self.trusted.add((c, ident))
+                    return check
+                ident = after  # written to while we hashed: look again
+            return check
+        except OSError as e:
+            if e.errno in VANISHED:
+                return None
+            raise
+
+    def _verified(self, status: Status, c: str, fd: int, check: _Check) -> Verified:
+        size = len(check.data) if check.data is not None else check.ident[2]
+        return Verified(status, c, size, check.ident, fd, check.data)
+
+
+def object_rel(checksum: str) -> str:
+    """An object's path below the objects directory (see Layout.object_path)."""
+    return f"{checksum[:2]}/{checksum[2:4]}/{checksum}"
+
+
+def root_rel(loc: Located) -> str:
+    """A local path's name below its root ("" for the root itself)."""
+    return loc.key[len(loc.root.url.rstrip("/")) :].strip("/")
+
+
+def open_original(loc: Located, root_fd: int | None = None) -> int | None:
+    """A read descriptor of the local original at `loc`, opened below its root with no
+    symlink followed; None when no file is there (or a symlink is on the way)."""
+    rel = root_rel(loc)
+    if not rel:
+        return None
+    try:
+        if root_fd is not None:
+            return confined.open_beneath(root_fd, rel, READ_FLAGS)
+        with confined.directory(loc.root.real) as rfd:
+            return confined.open_beneath(rfd, rel, READ_FLAGS)
+    except OSError as e:
+        if e.errno in NO_FILE:
+            return None
+        raise
