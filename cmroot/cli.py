@@ -362,17 +362,33 @@ def _ls(args: argparse.Namespace) -> int:
 def _gc(args: argparse.Namespace) -> int:
     with _backend(args) as b:
         res = b.gc(args.dry_run, progress=Progress("removed objects", not args.quiet))
-    verb = "would remove" if res["dry_run"] else "removed"
-    _out(
-        args,
-        res,
-        lambda r: (
-            f"{verb} {r['removed_objects']} objects ({r['removed_bytes']} bytes); "
-            f"{len(r['failed'])} failed, {r['skipped']} skipped (in use)"
-            + "".join(f"\nfailed {f['checksum']}: {f['error']}" for f in r["failed"])
-        ),
-    )
-    return 1 if res["failed"] else 0
+    _out(args, res, _gc_text)
+    return 1 if _gc_failures(res)[0] else 0
+
+
+_GC_SHOWN = 20  # failures the summary prints; --json has the report's sample
+
+
+def _gc_failures(r: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
+    """(count, sample) of a sweep's failures; a daemon before counted reports sent a list."""
+    failed = r.get("failed", 0)
+    if isinstance(failed, list):
+        return len(failed), failed
+    return int(failed), list(r.get("failures") or [])
+
+
+def _gc_text(r: dict[str, Any]) -> str:
+    verb = "would remove" if r["dry_run"] else "removed"
+    failed, failures = _gc_failures(r)
+    lines = [
+        f"{verb} {r['removed_objects']} objects ({r['removed_bytes']} bytes); "
+        f"{failed} failed, {r['skipped']} skipped (in use)"
+        + (f" in {r['duration']:.1f}s" if isinstance(r.get("duration"), (int, float)) else "")
+    ]
+    lines += [f"failed {f['checksum']}: {f['error']}" for f in failures[:_GC_SHOWN]]
+    if failed > min(len(failures), _GC_SHOWN):
+        lines.append(f"... {failed - min(len(failures), _GC_SHOWN)} more failures not shown")
+    return "\n".join(lines)
 
 
 def _checksum(args: argparse.Namespace) -> int:

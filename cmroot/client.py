@@ -9,6 +9,7 @@ import json
 import shutil
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO, Any
@@ -87,8 +88,52 @@ class Client:
         return self._json("GET", "/v1/entries?" + query)
 
     def events(self, start: int = 0, limit: int = 100) -> list[dict[str, Any]]:
-        res = self._json("GET", f"/v1/events?from={start}&limit={limit}")
-        return list(res["events"])
+        """Up to `limit` whole events with id >= `start`, in order (fewer only at the end
+        of the log). The daemon caps its pages in bytes; this reads as many pages, and as
+        many pages of the files of an event too large for one, as it takes. A caller that
+        cannot hold whole events (a million-file drop) reads `event_pages` instead."""
+        out: list[dict[str, Any]] = []
+        for page in self.event_pages(start, limit):
+            for event in page["events"]:
+                after = event.pop("filesNext", None)
+                if after is not None:
+                    for files in self.event_files(int(event["id"]), int(after)):
+                        event["files"].extend(files)
+                out.append(event)
+            if len(out) >= limit:
+                break
+        return out[:limit]
+
+    def event_pages(
+        self, start: int = 0, limit: int = 100, follow: bool = False
+    ) -> Iterator[dict[str, Any]]:
+        """The pages of GET /v1/events from `start`, as the daemon sends them:
+        `{"events", "next", "more"}`, each at most `limit` events. An event whose files did
+        not fit ends its page with `"filesNext": S`; `event_files(id, S)` has the rest.
+        Stops at the end of the log (`follow`: polls on for new events instead)."""
+        nxt = start
+        while True:
+            page = self._json("GET", f"/v1/events?from={nxt}&limit={limit}", retry=True)
+            if page["events"] or not follow:
+                yield page
+            nxt = int(page.get("next", nxt))
+            if not page.get("more") and not follow:
+                return
+            if not page["events"]:
+                time.sleep(1.0)
+
+    def event_files(
+        self, event_id: int, after: int = -1, limit: int | None = None
+    ) -> Iterator[list[dict[str, Any]]]:
+        """The files of one event with seq > `after`, a page (a list) at a time."""
+        while True:
+            query = {"after": after, **({"limit": limit} if limit else {})}
+            page = self._json("GET", f"/v1/events/{event_id}/files?" + urlencode(query))
+            if page["files"]:
+                yield list(page["files"])
+            if page.get("filesNext") is None:
+                return
+            after = int(page["filesNext"])
 
     def current_event(self) -> int:
         return int(self._json("GET", "/v1/events/current")["id"])

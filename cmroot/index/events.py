@@ -7,8 +7,9 @@ all its files become visible together, after every event with a smaller id.
 
 Pages for the API (`events_page`, `event_files_page`) are capped in bytes as well as in
 count: their compact JSON never exceeds `PAGE_BYTES` (unless one event's own fields,
-without files, are larger than that). An event whose files do not fit comes with the
-files that do and `filesNext`, the cursor to page the rest with `event_files_page`."""
+without files, are larger than that). Events come whole, except the first of a page,
+which, if its files do not fit, comes with the files that do and `filesNext`, the cursor
+to page the rest with `event_files_page`."""
 
 from __future__ import annotations
 
@@ -99,11 +100,12 @@ class EventLog(Base):
         self, start: int, limit: int, max_bytes: int | None = None
     ) -> dict[str, Any]:
         """`{"events": [...], "next": N, "more": bool}`: at most `limit` events with
-        id >= `start` whose JSON fits in `max_bytes` (default PAGE_BYTES). The first event
-        is always there (so paging makes progress); the page ends at the first event that
-        does not fit whole, which, if its own fields fit, comes with the files that do and
-        `"filesNext": S` (pass S as `after` to `event_files_page`). `next` is where the
-        following page starts; `more` says events at or past it were already committed."""
+        id >= `start` whose JSON fits in `max_bytes` (default PAGE_BYTES). The page ends
+        before the first event that does not fit whole, except that the first event is
+        always there (so paging makes progress): if its files do not all fit it comes with
+        those that do and `"filesNext": S` (pass S as `after` to `event_files_page`).
+        `next` is where the following page starts; `more` says events at or past it were
+        already committed."""
         cap = PAGE_BYTES if max_bytes is None else max_bytes
         conn = self._reader()
         fetched = conn.execute(
@@ -122,9 +124,11 @@ class EventLog(Base):
                 cost = len(dumps(event)) + (1 if out else 0)
                 if out and used + cost > cap:
                     break
+                listed, filled, complete = _fill(event["files"], files.of(r[0]), used + cost, cap)
+                if not complete and out:
+                    break  # only the first event of a page is split: the rest come whole
                 out.append(event)
-                used += cost
-                listed, used, complete = _fill(event["files"], files.of(r[0]), used, cap)
+                used = filled
                 if not complete:
                     event["filesNext"] = listed
                     break

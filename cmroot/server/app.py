@@ -37,6 +37,7 @@ T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 MAX_PAGE = 1000
+MAX_FILES_PAGE = 100_000  # files of one event per page (PAGE_BYTES caps them first)
 _REFUSED = (BadRequest, Forbidden, NotFound)  # refused before anything moved
 
 
@@ -142,6 +143,7 @@ def create_app(service: Service, max_body: int) -> web.Application:
     r.add_get("/v1/entries", _scoped("read", entries))
     r.add_get("/v1/events", _scoped("admin", events))
     r.add_get("/v1/events/current", _scoped("admin", current_event))
+    r.add_get("/v1/events/{id:[0-9]+}/files", _scoped("admin", event_files))
     r.add_post("/v1/events", _scoped("write", add_event))
     r.add_post("/v1/gc", _scoped("admin", gc))
     r.add_get("/metrics", metrics)
@@ -453,11 +455,27 @@ async def entries(request: web.Request) -> web.Response:
 
 
 async def events(request: web.Request) -> web.Response:
+    """A page of the log: at most `limit` events and PAGE_BYTES of JSON. An event whose
+    files do not fit carries `filesNext` (see `event_files`); `next` is the `from` of the
+    following page, `more` whether events at or past it exist."""
     svc = request.app[SERVICE]
     start = _int_query(request, "from", 0, 0, 2**62)
     limit = _int_query(request, "limit", 100, 1, MAX_PAGE)
-    rows = await svc.run(svc.store.events, start, limit)
-    return _json({"events": [e.to_json() for e in rows]})
+    return _json(await svc.run(svc.store.index.events_page, start, limit))
+
+
+async def event_files(request: web.Request) -> web.Response:
+    """The files of one event with seq > `after`, at most `limit` and PAGE_BYTES of JSON;
+    `filesNext` is the `after` of the next page, null after the last file."""
+    svc = request.app[SERVICE]
+    raw = request.match_info["id"]
+    event_id = int(raw) if len(raw) <= 18 else 0
+    after = _int_query(request, "after", -1, -1, 2**62)
+    limit = _int_query(request, "limit", MAX_FILES_PAGE, 1, MAX_FILES_PAGE)
+    page = await svc.run(svc.store.index.event_files_page, event_id, after, limit)
+    if page is None:
+        raise NotFound("no such event", f"event {raw} is not in the log")
+    return _json(page)
 
 
 async def current_event(request: web.Request) -> web.Response:

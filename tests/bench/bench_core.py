@@ -390,10 +390,10 @@ def sweep_cmroot(row: Row, rep: int, cfg: Config, objects: int, phases: bool) ->
         dt, report = timed(store.gc, row)
         add_phases(row, ph)
     left = count_files(Path(cfg.store.root) / "objects")
-    if len(report.removed) != objects or report.failed or left:
+    if report.removed_objects != objects or report.failed or left:
         raise BenchError(
-            f"gc removed {len(report.removed)} of {objects} objects, "
-            f"{len(report.failed)} failed, {left} files left"
+            f"gc removed {report.removed_objects} of {objects} objects, "
+            f"{report.failed} failed, {left} files left"
         )
     row.cmroot.append(dt)
     log(f"sweep: rep {rep + 1}: cmroot {fmt_seconds(dt)}")

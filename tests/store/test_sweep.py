@@ -12,6 +12,7 @@ from cmroot_testlib import assert_retrievable, index_counts, make_table, object_
 
 from cmroot import checksum as cks
 from cmroot.store import RecycleRequest, Store
+from cmroot.store import sweep as sweep_mod
 
 HOUR = 3600.0
 DAY = 24 * HOUR
@@ -57,7 +58,7 @@ def test_nothing_before_retain_everything_expired_in_one_sweep(env, store: Store
 
     clock.advance(DAY - HOUR - 1)  # one second before `first` expires
     r = store.gc()
-    assert r.removed == [] and r.failed == [] and not r.dry_run
+    assert r.removed == [] and r.failed == 0 and not r.dry_run
     assert_retrievable(store, {**first, **second}, status="cmroot")
 
     clock.advance(1)  # exactly retain after the first recycle
@@ -90,7 +91,10 @@ def test_many_expired_objects_go_in_one_sweep(env, store: Store, clock) -> None:
     clock.advance(DAY)
     seen: list[int] = []
     r = store.gc(progress=seen.append)
-    assert len(r.removed) == 2500 and removed(r) == checksums(files)
+    # Counted in full; listed only up to the report's bound (the first in expiry order).
+    assert r.removed_objects == 2500 and r.removed_truncated
+    assert len(r.removed) == sweep_mod.REPORT_ROWS and removed(r) < checksums(files)
+    assert r.removed_bytes == sum(len(b) for b in files.values())
     assert object_files(env) == []
     assert seen and seen[-1] == 2500
 
@@ -207,14 +211,14 @@ def test_a_failure_on_one_object_is_reported_and_the_rest_go(
     monkeypatch.setattr(os, "unlink", unlink)
     clock.advance(DAY)
     r = store.gc()
-    assert [f["checksum"] for f in r.failed] == [victim]
-    assert "Permission denied" in r.failed[0]["error"] and victim in r.failed[0]["error"]
+    assert r.failed == 1 and [f["checksum"] for f in r.failures] == [victim]
+    assert "Permission denied" in r.failures[0]["error"] and victim in r.failures[0]["error"]
     assert removed(r) == checksums(files) - {victim}
     assert [p.name for p in object_files(env)] == [victim]
     assert index_counts(env)["objects"] == 1  # still indexed, so the next sweep retries
     monkeypatch.undo()
     r = store.gc()
-    assert removed(r) == {victim} and r.failed == []
+    assert removed(r) == {victim} and r.failed == 0 and r.failures == []
     assert object_files(env) == [] and index_counts(env)["objects"] == 0
 
 
