@@ -1,0 +1,237 @@
+"""The recycle journal's state machine (cmroot/store/journal.py).
+
+* Property: any crash point of a recycle, optionally a second crash during the recovery
+  that follows, and a writer re-creating source paths while they are away, end in
+  "all at source, no event" or "all in the store, one event" — with re-created paths
+  untouched and their old bytes retrievable (displaced, no event).
+* Recovery decides rename-or-copy from the journal, never from st_dev: a bind mount
+  (equal st_dev, rename refused with EXDEV) is the case that tells them apart.
+* A rollback never leaves a warehouse file sharing an inode with a store object.
+
+Crashes are injected with faults.arm(..., crash=True): the recycle stops where it stands,
+as process death would (the SIGKILL versions are in test_crash.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from cmroot_testlib import (
+    Env,
+    assert_retrievable,
+    index_counts,
+    make_table,
+    object_files,
+    table_dir,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cmroot import checksum as cks
+from cmroot import faults
+from cmroot.store import RecycleRequest, Store
+
+FILES = 8
+POINTS = [
+    "journal.begun",
+    "recycle.file_staged",
+    "recycle.file_published",
+    "recycle.staged",
+    "recycle.flushed",
+    "journal.committed",
+    "journal.unstaged",
+]
+RECOVERY_POINTS = ["journal.rolled_back_file", "journal.unstaged", None]
+
+
+def _fresh(tmp: Path, clock) -> Env:  # type: ignore[no-untyped-def]
+    e = Env(base=tmp, warehouse=tmp / "wh", store_root=tmp / "store", outside=tmp / "out",
+            clock=clock)
+    e.warehouse.mkdir(parents=True)
+    return e
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    point=st.sampled_from(POINTS),
+    k=st.integers(1, FILES),
+    mode=st.sampled_from(["move", "copy"]),
+    recovery_crash=st.sampled_from(RECOVERY_POINTS),
+    rk=st.integers(1, FILES),
+    recreate=st.sets(st.integers(0, FILES - 1), max_size=3),
+)
+def test_any_crash_ends_all_at_source_or_all_in_the_store(
+    tmp_path_factory: pytest.TempPathFactory, clock, point, k, mode, recovery_crash, rk, recreate
+) -> None:
+    e = _fresh(tmp_path_factory.mktemp("j"), clock)
+    files = make_table(e.warehouse, "db", "t", [{"p": "1"}, {"p": "2"}],
+                       files_per_partition=FILES // 2)
+    paths = sorted(files)
+    store = Store.open(e.config(), clock=e.clock)
+    store.recycler.workers = 1
+    per_file = point.startswith("recycle.file_")
+    faults.arm(point, k if per_file else 1, crash=True)
+    try:
+        store.recycle(RecycleRequest(paths=[str(table_dir(e.warehouse, "db", "t"))],
+                                     mode=mode, op="DROP_TABLE", db="db", table="t"))
+        crashed = False
+    except faults.Crash:
+        crashed = True
+    finally:
+        faults.disarm()
+        store.close()
+    assert crashed
+
+    # A writer re-creates some source paths that are away (move mode only moves them).
+    rewritten = {}
+    for i in recreate:
+        p = paths[i]
+        if not os.path.lexists(p):
+            Path(p).parent.mkdir(parents=True, exist_ok=True)
+            Path(p).write_bytes(b"new writer " + p.encode())
+            rewritten[p] = Path(p).read_bytes()
+
+    if recovery_crash is not None:
+        faults.arm(recovery_crash, rk, crash=True)
+        try:
+            Store.open(e.config(), clock=e.clock).close()
+        except faults.Crash:
+            from cmroot.store.layout import _HELD
+
+            for fd in _HELD.values():  # the crashed open's lock dies with its "process"
+                os.close(fd)
+            _HELD.clear()
+        finally:
+            faults.disarm()
+    store = Store.open(e.config(), clock=e.clock)
+    try:
+        counts = index_counts(e)
+        assert counts["txs"] == 0 and counts["journal"] == 0
+        assert os.listdir(e.staging_dir) == []
+        for p, data in rewritten.items():
+            assert Path(p).read_bytes() == data, "a re-created source was clobbered"
+        events = store.events(0, 10)
+        if events:  # committed: every file in the store, one event
+            assert [ev.type for ev in events] == ["DROP_TABLE"]
+            assert len(events[0].files) == FILES
+            originals = {p: b for p, b in files.items() if p not in rewritten}
+            assert_retrievable(store, originals, status="cmroot" if mode == "move" else None)
+        else:  # rolled back: every file at its source, or displaced with its old bytes
+            for p, data in files.items():
+                if p not in rewritten:
+                    assert Path(p).read_bytes() == data
+            displaced = {e_.path for e_ in store.entries(limit=100)}
+            assert displaced <= set(rewritten)
+            assert all(e_.event_id == 0 for e_ in store.entries(limit=100))
+            assert_retrievable(store, {p: files[p] for p in displaced}, status="cmroot")
+            if not displaced:
+                assert object_files(e) == []
+        for obj in object_files(e):
+            assert cks.of_local_file(str(obj)) == obj.name
+        report = store.fsck()
+        assert report.clean, report.to_json()
+    finally:
+        store.close()
+
+
+def _same_inode(a: str | Path, b: str | Path) -> bool:
+    sa, sb = os.stat(a), os.stat(b)
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def test_a_rollback_never_leaves_a_warehouse_file_sharing_an_inode_with_an_object(
+    env: Env, store: Store
+) -> None:
+    """Recycle A publishes, recycle B deduplicates against A's object and commits, then A
+    rolls back: A's file must come back with bytes of its own, so writing it in place
+    cannot corrupt B's object."""
+    data = b"shared content" * 100
+    a = env.warehouse / "db.db" / "a" / "f"
+    b = env.warehouse / "db.db" / "b" / "f"
+    for p in (a, b):
+        p.parent.mkdir(parents=True)
+        p.write_bytes(data)
+    faults.arm("recycle.staged", crash=True)
+    with pytest.raises(faults.Crash):
+        store.recycle(RecycleRequest(paths=[str(a)], op="DROP_TABLE", db="db", table="a"))
+    store.recycle(RecycleRequest(paths=[str(b)], op="DROP_TABLE", db="db", table="b"))
+    store.close()
+    reopened = env.open()  # rolls A back
+    c = cks.of_bytes(data)
+    obj = env.objects_dir / c[:2] / c[2:4] / c
+    assert a.read_bytes() == data
+    assert not _same_inode(a, obj)
+    with open(a, "r+b") as f:  # an in-place write to the warehouse file
+        f.write(b"X" * 100)
+    assert cks.of_local_file(str(obj)) == c
+    assert_retrievable(reopened, {str(b): data}, status="cmroot")
+
+
+@pytest.fixture
+def bind_mounted_warehouse(env: Env):  # type: ignore[no-untyped-def]
+    """The warehouse root as a bind mount of a directory on the store's filesystem: same
+    st_dev as the store, yet rename() between them fails with EXDEV."""
+    if os.geteuid() != 0:
+        pytest.skip("bind mounts need root (mount --bind); run the suite as root to cover it")
+    real = env.base / "real-warehouse"
+    real.mkdir()
+    r = subprocess.run(["mount", "--bind", str(real), str(env.warehouse)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"mount --bind refused here: {r.stderr.strip()}")
+    try:
+        yield env
+    finally:
+        subprocess.run(["umount", "-l", str(env.warehouse)], check=False)
+
+
+def test_recovery_on_a_bind_mount_takes_the_method_from_the_journal(
+    bind_mounted_warehouse: Env,
+) -> None:
+    """st_dev says "same filesystem", rename says EXDEV: the files were copied. A crash
+    after every copy, then a writer changes one source: recovery must drop the copies
+    and leave every source as it is now, recording nothing (st_dev guessing would call
+    the changed source "re-created" and record the old copy with a DROP event)."""
+    env = bind_mounted_warehouse
+    assert os.stat(env.warehouse).st_dev == os.stat(env.base).st_dev
+    files = make_table(env.warehouse, "db", "t", [{"p": "1"}], files_per_partition=4)
+    store = env.open()
+    faults.arm("recycle.staged", crash=True)
+    with pytest.raises(faults.Crash):
+        store.recycle(RecycleRequest(paths=[str(table_dir(env.warehouse, "db", "t"))],
+                                     op="DROP_TABLE", db="db", table="t"))
+    store.close()
+    changed = sorted(files)[0]
+    Path(changed).write_bytes(b"changed after it was copied")
+    reopened = env.open()
+    assert reopened.events(0, 10) == []
+    assert index_counts(env)["entries"] == 0
+    assert Path(changed).read_bytes() == b"changed after it was copied"
+    for p, data in files.items():
+        if p != changed:
+            assert Path(p).read_bytes() == data
+    assert object_files(env) == []
+
+
+def test_a_committed_copy_move_on_a_bind_mount_finishes_its_clean_up_after_a_crash(
+    bind_mounted_warehouse: Env,
+) -> None:
+    """Clean-up after commit is journaled: killed right after the commit, the next open
+    removes the copied sources (unchanged since the copy) and the emptied directories."""
+    env = bind_mounted_warehouse
+    files = make_table(env.warehouse, "db", "t", [{"p": "1"}, {"p": "2"}], files_per_partition=3)
+    store = env.open()
+    faults.arm("journal.committed", crash=True)
+    with pytest.raises(faults.Crash):
+        store.recycle(RecycleRequest(paths=[str(table_dir(env.warehouse, "db", "t"))],
+                                     op="DROP_TABLE", db="db", table="t"))
+    store.close()
+    assert all(os.path.exists(p) for p in files)  # copies committed, sources not yet gone
+    reopened = env.open()
+    assert not any(os.path.exists(p) for p in files)
+    assert not table_dir(env.warehouse, "db", "t").exists()
+    assert_retrievable(reopened, files, status="cmroot")
+    assert index_counts(env)["txs"] == 0
