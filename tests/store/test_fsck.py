@@ -289,8 +289,7 @@ def test_bytes_not_hashing_to_their_name_in_the_wrong_shard_are_quarantined(env,
 
 def test_a_corrupt_object_with_no_valid_copy_loses_its_rows_only_on_repair(env, store) -> None:
     files = recycled(env, store, n=2)
-    path, data = sorted(files.items())[0]
-    c = cks.of_bytes(data)
+    c = cks.of_bytes(sorted(files.values())[0])
     obj(env, c).write_bytes(b"rotten")
     store.fsck()
     assert store.index.entries(checksum=c) != []  # report only
