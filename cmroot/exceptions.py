@@ -68,6 +68,12 @@ class RecycleFailed(CmrootError):
     """A recycle that was rolled back: every file is back at its source."""
 
 
+class StoreFull(CmrootError):
+    """The store's filesystem is out of space: the recycle was rolled back."""
+
+    status = 507
+
+
 class DaemonUnavailable(CmrootError):
     """The daemon could not be reached, or the connection broke mid-request."""
 
@@ -91,6 +97,7 @@ _BY_STATUS: dict[int, type[CmrootError]] = {
     404: NotFound,
     409: Conflict,
     413: PayloadTooLarge,
+    507: StoreFull,
     503: DaemonUnavailable,
 }
 

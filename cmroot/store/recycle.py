@@ -23,6 +23,7 @@ import errno
 import logging
 import os
 import socket
+import sqlite3
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -33,7 +34,7 @@ from typing import Any
 from cmroot import checksum as cks
 from cmroot import faults
 from cmroot.config import StoreConfig
-from cmroot.exceptions import BadRequest, CmrootError, RecycleFailed
+from cmroot.exceptions import BadRequest, CmrootError, RecycleFailed, StoreFull
 from cmroot.index import Entry, Event, Index
 from cmroot.store.journal import Item, Journal, Sessions
 from cmroot.store.layout import Layout, sync_filesystem
@@ -149,8 +150,8 @@ class Recycler:
             for i, (root, f) in enumerate(found)
         ]
         now = self.clock()
-        self.journal.begin(txid, now, mode, req.to_json(), [d.key for d in dirs], items)
         try:
+            self.journal.begin(txid, now, mode, req.to_json(), [d.key for d in dirs], items)
             with self.journal.sessions() as sessions:
                 self._stage_all(txid, items, sessions, progress)
             faults.point("recycle.staged")
@@ -204,6 +205,12 @@ class Recycler:
             ) from cause
         if isinstance(cause, CmrootError) or not isinstance(cause, Exception):
             raise cause
+        if _out_of_space(cause):
+            raise StoreFull(
+                "the store is out of space",
+                f"{cause}; the recycle was rolled back and every file is back at its source:"
+                f" free space on the filesystem of {self.layout.root}",
+            ) from cause
         raise RecycleFailed(
             "recycle failed and was rolled back", f"{cause}; every file is back at its source"
         ) from cause
@@ -301,6 +308,13 @@ class Recycler:
         were rolled back or finished."""
         r = self.journal.recover(self.config.retain_for, self.server, self.clock())
         return r.rolled_back + r.finished
+
+
+def _out_of_space(e: BaseException) -> bool:
+    """ENOSPC/EDQUOT from the filesystem, or SQLite's "database or disk is full"."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return isinstance(e, sqlite3.OperationalError) and "full" in str(e)
 
 
 def partition_of(path: str, partitions: Sequence[dict[str, str]]) -> dict[str, str] | None:

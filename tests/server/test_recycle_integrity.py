@@ -110,3 +110,44 @@ def test_a_corrupt_object_is_healed_by_the_next_recycle_of_the_same_bytes(
     for path in (*a, *b):
         reply = daemon.request("GET", daemon.files_url(path, checksum), scope="read")
         assert reply.status == 200 and reply.body == data
+
+
+@pytest.fixture
+def small_store(make_daemon: MakeDaemon):  # type: ignore[no-untyped-def]
+    """A daemon whose store lives on a 1 MiB tmpfs (a real full disk); needs root."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root; run the suite as root to cover a full disk")
+    d = make_daemon(start=False)
+    d.store.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d.store)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"mount -t tmpfs refused here: {r.stderr.strip()}")
+    try:
+        yield d.start()
+    finally:
+        d.close()
+        subprocess.run(["umount", "-l", str(d.store)], check=False)
+
+
+def test_a_full_store_answers_507_and_changes_nothing(small_store: Daemon) -> None:
+    d = small_store
+    big = _table(d, "big", 1)
+    for i in range(4):  # 4 x 400 KiB: more than the tmpfs holds (copies: other filesystem)
+        big.update(write_files(d.warehouse / "db.db" / "big", {f"f{i}": bytes([i]) * 400_000}))
+    before = d.snapshot()
+    reply = d.request("POST", "/v1/recycle", scope="write",
+                      body={"paths": [str(d.warehouse / "db.db" / "big")], "op": "DROP_TABLE"})
+    assert reply.status == 507, reply.body
+    assert b"out of space" in reply.body
+    after = d.snapshot()
+    assert after["warehouse"] == before["warehouse"]
+    assert d.index_counts()["events"] == 0 and d.index_counts()["txs"] == 0
+    assert d.request("GET", "/readyz").status == 200
+    small = _table(d, "small", 2)
+    d.client("write").recycle(list(small), op="DROP_TABLE", db="db", table="small")
+    for p, data in small.items():
+        assert d.request("GET", d.files_url(p, cks.of_bytes(data)), scope="read").body == data
