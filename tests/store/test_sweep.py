@@ -5,6 +5,7 @@ runs, trash mode (and purge), and a sweep that fails on one object."""
 from __future__ import annotations
 
 import errno
+import importlib
 import os
 from pathlib import Path
 
@@ -12,7 +13,8 @@ from cmroot_testlib import assert_retrievable, index_counts, make_table, object_
 
 from cmroot import checksum as cks
 from cmroot.store import RecycleRequest, Store
-from cmroot.store import sweep as sweep_mod
+
+sweep_mod = importlib.import_module("cmroot.store.sweep")  # the package re-exports `sweep`
 
 HOUR = 3600.0
 DAY = 24 * HOUR
