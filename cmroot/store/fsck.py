@@ -341,17 +341,21 @@ class _Walk:
                 continue
             self.report.checked += 1
             digest, size = res
-            if not name.startswith(prefix):
-                self._misplaced(path, name, digest, size)
-            elif digest != name:
-                self.report.add("corrupt", name)
-                if self.repair:
-                    self._quarantine(path, name)
-                    self.recheck.add(shard)
-            elif name not in indexed:
-                self.report.add("unindexed", name)
-                if self.repair:
-                    self._register(name, size)
+            try:
+                if not name.startswith(prefix):
+                    self._misplaced(path, name, digest, size)
+                elif digest != name:
+                    self.report.add("corrupt", name)
+                    if self.repair:
+                        self._quarantine(path, name)
+                        self.recheck.add(shard)
+                elif name not in indexed:
+                    self.report.add("unindexed", name)
+                    if self.repair:
+                        self._register(name, size)
+            except OSError as e:  # a repair the filesystem refused: left, rows kept
+                self.report.add("unreadable", {"path": path, "error": f"repair: {describe(e)}"})
+                self.keep_rows.add(name)
         if any(c not in present for c in indexed):
             self.recheck.add(shard)
 

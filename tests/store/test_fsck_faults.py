@@ -278,3 +278,17 @@ def test_a_shard_directory_failing_with_eio_keeps_its_rows(env, store, monkeypat
     assert r.missing == [] and snapshot(env) == before
     assert entries_of(store, c) == [path]
     assert store.fsck().clean
+
+
+def test_a_repair_the_filesystem_refuses_is_reported_and_keeps_the_rows(env, store) -> None:
+    files = recycled(env, store, n=2)
+    path, data = sorted(files.items())[0]
+    c = cks.of_bytes(data)
+    obj(env, c).write_bytes(b"rotten")
+    (env.store_root / "quarantine").write_bytes(b"a file where the quarantine goes")
+
+    r = store.fsck(repair=True)  # does not stop at the first refusal
+    assert r.corrupt == [c] and r.missing == []
+    (u,) = r.unreadable
+    assert u["path"] == str(obj(env, c)) and u["error"].startswith("repair: EEXIST")
+    assert obj(env, c).read_bytes() == b"rotten" and entries_of(store, c) == [path]
