@@ -113,30 +113,53 @@ CREATE TABLE checksums (
 """
 
 
+# The layout of every unversioned release (version 0), as the last of them created it on
+# each open with IF NOT EXISTS. An index from an earlier one may lack some of it (the first
+# release had no `stats`), so version 1 starts by creating whatever is missing.
+_V0_SCHEMA = """
+CREATE TABLE IF NOT EXISTS objects (checksum TEXT PRIMARY KEY, size INTEGER NOT NULL,
+    created REAL NOT NULL, expires REAL NOT NULL, keep INTEGER NOT NULL) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS objects_expires ON objects(expires);
+CREATE INDEX IF NOT EXISTS objects_created ON objects(created);
+CREATE TABLE IF NOT EXISTS stats (id INTEGER PRIMARY KEY CHECK (id = 1),
+    objects INTEGER NOT NULL, bytes INTEGER NOT NULL);
+INSERT OR IGNORE INTO stats VALUES (1, 0, 0);
+CREATE TRIGGER IF NOT EXISTS objects_insert AFTER INSERT ON objects BEGIN
+    UPDATE stats SET objects = objects + 1, bytes = bytes + NEW.size WHERE id = 1;
+END;
+CREATE TRIGGER IF NOT EXISTS objects_delete AFTER DELETE ON objects BEGIN
+    UPDATE stats SET objects = objects - 1, bytes = bytes - OLD.size WHERE id = 1;
+END;
+CREATE TABLE IF NOT EXISTS entries (id INTEGER PRIMARY KEY, path TEXT NOT NULL,
+    checksum TEXT NOT NULL, size INTEGER NOT NULL, recycled REAL NOT NULL,
+    expires REAL NOT NULL, op TEXT NOT NULL, db TEXT, tbl TEXT, partition TEXT,
+    purge INTEGER NOT NULL, event_id INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS entries_path ON entries(path, checksum);
+CREATE INDEX IF NOT EXISTS entries_checksum ON entries(checksum);
+CREATE INDEX IF NOT EXISTS entries_table ON entries(db, tbl, id);
+CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY AUTOINCREMENT, type TEXT NOT NULL,
+    db TEXT, tbl TEXT, partitions TEXT NOT NULL, timestamp REAL NOT NULL,
+    server TEXT NOT NULL, purge INTEGER NOT NULL, files TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS txs (txid TEXT PRIMARY KEY, started REAL NOT NULL,
+    mode TEXT NOT NULL, request TEXT NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS journal (txid TEXT NOT NULL, seq INTEGER NOT NULL,
+    source TEXT NOT NULL, staged TEXT NOT NULL, PRIMARY KEY (txid, seq)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS checksums (path TEXT PRIMARY KEY, size INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL, checksum TEXT NOT NULL) WITHOUT ROWID;
+"""
+
+
 def _v1(db: sqlite3.Connection) -> None:
-    """Events gained `meta` (location, tableObj). A store from the very first release has
-    no `stats` table (running totals) and no index on creation time either; stores opened
-    by a later unversioned release got `stats` starting from zero whatever they held. So
-    the totals are created if missing and recounted from `objects` either way."""
+    """The whole version-0 layout (whatever an older release lacked is created); events
+    gain `meta` (location, tableObj). The running totals are recounted from `objects`:
+    a release that added `stats` to an existing store started it at zero."""
+    for statement in _statements(_V0_SCHEMA):
+        db.execute(statement)
     if "meta" not in _columns(db, "events"):
         db.execute("ALTER TABLE events ADD COLUMN meta TEXT")
-    db.execute("CREATE INDEX IF NOT EXISTS objects_created ON objects(created)")
-    db.execute(
-        "CREATE TABLE IF NOT EXISTS stats (id INTEGER PRIMARY KEY CHECK (id = 1),"
-        " objects INTEGER NOT NULL, bytes INTEGER NOT NULL)"
-    )
-    db.execute("INSERT OR IGNORE INTO stats VALUES (1, 0, 0)")
     db.execute(
         "UPDATE stats SET objects = (SELECT count(*) FROM objects),"
         " bytes = (SELECT coalesce(sum(size), 0) FROM objects) WHERE id = 1"
-    )
-    db.execute(
-        "CREATE TRIGGER IF NOT EXISTS objects_insert AFTER INSERT ON objects BEGIN"
-        " UPDATE stats SET objects = objects + 1, bytes = bytes + NEW.size WHERE id = 1; END"
-    )
-    db.execute(
-        "CREATE TRIGGER IF NOT EXISTS objects_delete AFTER DELETE ON objects BEGIN"
-        " UPDATE stats SET objects = objects - 1, bytes = bytes - OLD.size WHERE id = 1; END"
     )
 
 
@@ -204,7 +227,8 @@ def migrate(db: sqlite3.Connection) -> None:
                 " Upgrade cmroot (pip install -U cmroot) to open it; downgrading an index"
                 " is not supported",
             )
-        fresh = not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'objects'").fetchone()
+        # Fresh: no table at all. Anything else is an index to bring up, however partial.
+        fresh = not db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table'").fetchone()
         if fresh:
             for statement in _statements(SCHEMA):
                 db.execute(statement)
