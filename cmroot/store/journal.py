@@ -284,7 +284,11 @@ class Journal:
                     extra={"txid": tx.txid, "state": tx.state, "error": str(e),
                            "fix": "see `cmroot fsck`; it is retried at every start"},
                 )
-        self._clear_orphans()
+        try:
+            self._clear_orphans()
+        except Exception as e:  # leftovers are only tidied: never a reason not to start
+            log.error("could not tidy the staging area; fsck reports what is there",
+                      extra={"error": str(e)})
         return out
 
     def _items(self, tx: PendingTx) -> list[Item]:

@@ -3,7 +3,7 @@
 <root>/objects/ab/cd/<checksum>   content-addressed objects, immutable once published
 <root>/staging/<txid>/<seq>       files of a recycle in flight (named by the journal)
 <root>/trash/<YYYY-MM-DD>/<checksum>  expired objects when on_expire = "trash"
-<root>/quarantine/<checksum>      objects fsck found corrupt
+<root>/quarantine/<checksum>.<unix time>  objects found corrupt (by fsck, a read, a heal)
 <root>/LOCK                       held by the one process that may write the store
 """
 
