@@ -77,15 +77,17 @@ def test_wal_and_full_sync(index: Index) -> None:
 
 
 def test_journal_begin_pending_end(index: Index) -> None:
-    rows = [(0, "/wh/a", "/st/staging/tx1/0"), (1, "/wh/b", "/st/staging/tx1/1")]
-    index.journal_begin("tx1", 5.0, "move", {"paths": ["/wh"], "op": "DROP_TABLE"}, rows)
-    index.journal_begin("tx0", 4.0, "copy", {"paths": ["/wh/c"]}, [(0, "/wh/c", "/s/0")])
+    rows = [(0, "/wh/a", "/st/staging/tx1/0", "rename"), (1, "/wh/b", "/st/staging/tx1/1", "copy")]
+    index.journal_begin("tx1", 5.0, "move", {"paths": ["/wh"], "op": "DROP_TABLE"}, ["/wh"], rows)
+    index.journal_begin("tx0", 4.0, "copy", {"paths": ["/wh/c"]}, [], [(0, "/wh/c", "/s/0", "copy")])
     pending = index.pending()
     assert [p.txid for p in pending] == ["tx0", "tx1"]  # oldest first
     p = pending[1]
-    assert p.mode == "move" and p.started == 5.0
+    assert p.mode == "move" and p.started == 5.0 and p.state == "open" and p.dirs == ["/wh"]
     assert p.request == {"paths": ["/wh"], "op": "DROP_TABLE"}
-    assert [(r.seq, r.source, r.staged) for r in p.rows] == rows
+    assert [(r.seq, r.source, r.staged, r.method) for r in p.rows] == rows
+    index.journal_set_method("tx1", 0, "copy")
+    assert [r.method for r in index.pending("tx1")[0].rows] == ["copy", "copy"]
     index.journal_end("tx1")
     index.journal_end("tx0")
     assert index.pending() == []
@@ -95,16 +97,24 @@ def test_journal_begin_pending_end(index: Index) -> None:
 def test_journal_begin_is_atomic(index: Index) -> None:
     # A duplicate seq fails the whole insert: no tx row without its journal rows.
     with pytest.raises(sqlite3.IntegrityError):
-        index.journal_begin("tx", 1.0, "move", {}, [(0, "/a", "/s/0"), (0, "/b", "/s/1")])
+        index.journal_begin(
+            "tx", 1.0, "move", {}, [], [(0, "/a", "/s/0", "rename"), (0, "/b", "/s/1", "rename")]
+        )
     assert index.pending() == []
 
 
 def test_commit_recycle_records_event_entries_objects_and_closes_journal(index: Index) -> None:
-    index.journal_begin("tx", 100.0, "move", {}, [(0, "/wh/a", "/s/0"), (1, "/wh/b", "/s/1")])
+    index.journal_begin(
+        "tx", 100.0, "move", {}, [], [(0, "/wh/a", "/s/0", "rename"), (1, "/wh/b", "/s/1", "copy")]
+    )
     es = [entry("/wh/a", c(1), partition={"p": "1"}), entry("/wh/b", c(2), purge=True)]
     ev = event(partitions=[{"p": "1"}], files=[{"path": "/wh/a", "checksum": c(1), "size": 10}])
-    eid = index.commit_recycle("tx", ev, es)
+    eid = index.commit_recycle("tx", ev, es, {1: "copied-source-identity"})
     assert eid == 1
+    # Committed, with what clean-up needs, until the clean-up closes the record.
+    [tx] = index.pending()
+    assert tx.state == "committed" and tx.rows[1].ident == "copied-source-identity"
+    index.journal_end("tx")
     assert index.pending() == []
     got = index.entries()
     assert [e.path for e in got] == ["/wh/b", "/wh/a"]  # newest first
@@ -136,7 +146,7 @@ def test_commit_recycle_records_event_entries_objects_and_closes_journal(index: 
 
 
 def test_commit_recycle_is_atomic(index: Index) -> None:
-    index.journal_begin("tx", 1.0, "move", {}, [(0, "/wh/a", "/s/0")])
+    index.journal_begin("tx", 1.0, "move", {}, [], [(0, "/wh/a", "/s/0", "rename")])
     bad = entry("/wh/a", c(1))
     bad = Entry(**{**bad.__dict__, "size": None})  # NOT NULL violation mid-commit
     with pytest.raises(sqlite3.IntegrityError):
@@ -239,7 +249,7 @@ def test_register_object_never_overwrites(index: Index) -> None:
     assert index.get_object(c(1)).expires == 150
     index.register_object(StoredObject(c(2), 3, 5.0, 6.0, True))
     assert index.get_object(c(2)) == StoredObject(c(2), 3, 5.0, 6.0, True)
-    assert index.all_checksums() == {c(1), c(2)}
+    assert set(index.objects_between("0", "g")) == {c(1), c(2)}
 
 
 def test_stats_follow_inserts_upserts_and_deletes(index: Index) -> None:
@@ -262,15 +272,25 @@ def test_stats_follow_inserts_upserts_and_deletes(index: Index) -> None:
 
 
 def test_checksum_cache(index: Index) -> None:
-    assert "/wh/a" not in index.cached_checksums([("/wh/a", 3, 1000)])
-    index.cache_checksums([("/wh/a", 3, 1000, c(1))])
-    assert index.cached_checksums([("/wh/a", 3, 1000)]) == {"/wh/a": c(1)}
-    assert "/wh/a" not in index.cached_checksums([("/wh/a", 4, 1000)])
-    assert "/wh/a" not in index.cached_checksums([("/wh/a", 3, 1001)])
-    index.cache_checksums([("/wh/a", 4, 2000, c(2))])  # replaced, not added
-    assert index.cached_checksums([("/wh/a", 4, 2000)]) == {"/wh/a": c(2)}
+    assert "/wh/a" not in index.cached_checksums([("/wh/a", "1:2:3:1000:1000")])
+    index.cache_checksums([("/wh/a", "1:2:3:1000:1000", c(1))])
+    assert index.cached_checksums([("/wh/a", "1:2:3:1000:1000")]) == {"/wh/a": c(1)}
+    # Any change of identity (here: ctime, which a writer cannot restore) misses.
+    assert "/wh/a" not in index.cached_checksums([("/wh/a", "1:2:3:1000:1001")])
+    index.cache_checksums([("/wh/a", "1:2:4:2000:2000", c(2))])  # replaced, not added
+    assert index.cached_checksums([("/wh/a", "1:2:4:2000:2000")]) == {"/wh/a": c(2)}
     assert index._query("SELECT count(*) FROM checksums")[0][0] == 1
     index.cache_checksums([])
+
+
+def test_checksum_cache_is_bounded(index: Index) -> None:
+    index.cache_rows = 100
+    for i in range(10):
+        index.cache_checksums((f"/wh/{i}/{j}", "id", c(1)) for j in range(50))
+    n = index._query("SELECT count(*) FROM checksums")[0][0]
+    assert n <= 100
+    # the newest rows are the ones kept
+    assert index.cached_checksums([("/wh/9/49", "id")]) == {"/wh/9/49": c(1)}
 
 
 def test_transaction_rolls_back_on_error(index: Index) -> None:
@@ -286,7 +306,7 @@ def test_transaction_rolls_back_on_error(index: Index) -> None:
 def test_survives_reopen(tmp_path: Path) -> None:
     p = str(tmp_path / "i.sqlite")
     ix = Index(p)
-    ix.journal_begin("tx", 1.0, "move", {"paths": ["/wh/x"]}, [(0, "/wh/x", "/s/0")])
+    ix.journal_begin("tx", 1.0, "move", {"paths": ["/wh/x"]}, [], [(0, "/wh/x", "/s/0", "rename")])
     eid = ix.commit_recycle(
         None,
         event(partitions=[{"d": "2024-01-01"}]),
