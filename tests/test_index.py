@@ -79,7 +79,9 @@ def test_wal_and_full_sync(index: Index) -> None:
 def test_journal_begin_pending_end(index: Index) -> None:
     rows = [(0, "/wh/a", "/st/staging/tx1/0", "rename"), (1, "/wh/b", "/st/staging/tx1/1", "copy")]
     index.journal_begin("tx1", 5.0, "move", {"paths": ["/wh"], "op": "DROP_TABLE"}, ["/wh"], rows)
-    index.journal_begin("tx0", 4.0, "copy", {"paths": ["/wh/c"]}, [], [(0, "/wh/c", "/s/0", "copy")])
+    index.journal_begin(
+        "tx0", 4.0, "copy", {"paths": ["/wh/c"]}, [], [(0, "/wh/c", "/s/0", "copy")]
+    )
     pending = index.pending()
     assert [p.txid for p in pending] == ["tx0", "tx1"]  # oldest first
     p = pending[1]
