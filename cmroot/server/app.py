@@ -333,7 +333,7 @@ async def _serve(request: web.Request, svc: Service, v: Verified) -> web.StreamR
         if rng is not None:
             first, count, status = rng[0], rng[1] - rng[0] + 1, 206
             headers[hdrs.CONTENT_RANGE] = f"bytes {rng[0]}-{rng[1]}/{v.size}"
-    if v.data is not None:
+    if v.data is not None and request.method != hdrs.METH_HEAD:
         resp: web.StreamResponse = web.Response(
             body=v.data[first : first + count], status=status, headers=headers
         )
@@ -369,12 +369,11 @@ def _byte_range(header: str, size: int) -> tuple[int, int] | Literal[False] | No
             return False
         return max(0, size - n), size - 1
     first = int(a)
-    last = int(b) if b else size - 1
-    if last < first:
+    if b and int(b) < first:
         return None
     if first >= size:
         return False
-    return first, min(last, size - 1)
+    return first, min(int(b) if b else size - 1, size - 1)
 
 
 async def _send_fd(

@@ -21,6 +21,7 @@ import os
 import stat
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,10 @@ log = logging.getLogger(__name__)
 
 Ident = tuple[int, int, int, int, int]  # st_dev, st_ino, size, mtime_ns, ctime_ns
 TRUSTED = 100_000  # verifications remembered
+# A file whose ctime is this recent is never trusted or cached by identity: timestamps
+# tick coarsely (a jiffy), so a rewrite within the same tick would keep the identity
+# ("racy git"). Such a file is simply hashed again until it settles.
+RACY_NS = 2_000_000_000
 _ATTEMPTS = 3  # hashes of a file whose identity keeps moving before giving up on it
 # O_NONBLOCK: a FIFO planted in the warehouse must not block the open; it is then
 # refused by fstat like any other special file.
@@ -72,6 +77,11 @@ class Quarantined(NotFound):
 
 def ident_of(st: os.stat_result) -> Ident:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def settled(ident: Ident) -> bool:
+    """Whether the identity can vouch for the bytes (its ctime is not too recent)."""
+    return time.time_ns() - ident[4] > RACY_NS
 
 
 def ident_str(ident: Ident) -> str:
@@ -200,7 +210,7 @@ class Reader:
         else the store's object if an entry records that pair. Files up to `inline_max`
         bytes are read whole (`Verified.data`), hashed as read. Raises NotFound."""
         c = cks.validate(checksum)
-        loc = self.warehouse.locate(path)
+        loc = locate(self.warehouse, path)
         original = self._original(loc, c, inline_max)
         if original is not None:
             return original
@@ -357,7 +367,7 @@ class Reader:
                 return _Check(ok, True, ident, data)
             if (c, ident) in self.trusted:
                 return _Check(True, True, ident)
-            if cache_key is not None:
+            if cache_key is not None and settled(ident):
                 cached = self.index.cached_checksums([(cache_key, ident_str(ident))])
                 if cache_key in cached:
                     ok = cached[cache_key] == c
@@ -370,7 +380,7 @@ class Reader:
                 after = ident_of(os.fstat(fd))
                 check = _Check(got == c, after == ident, after)
                 if check.stable:
-                    if check.matched:
+                    if check.matched and settled(ident):
                         self.trusted.add((c, ident))
                     return check
                 ident = after  # written to while we hashed: look again
@@ -383,6 +393,21 @@ class Reader:
     def _verified(self, status: Status, c: str, fd: int, check: _Check) -> Verified:
         size = len(check.data) if check.data is not None else check.ident[2]
         return Verified(status, c, size, check.ident, fd, check.data)
+
+
+def locate(warehouse: Warehouse, raw: object, attempts: int = 3) -> Located:
+    """Warehouse.locate, tolerant of the path changing under it: realpath() raises
+    (ENOENT, EINVAL) when a symlink on the way is swapped while it is being read. Tried
+    again, then answered as a path with nothing at it (never an internal error)."""
+    for _ in range(attempts - 1):
+        try:
+            return warehouse.locate(raw)
+        except OSError:
+            continue
+    try:
+        return warehouse.locate(raw)
+    except OSError as e:
+        raise NotFound("no such file", f"{raw!r} kept changing while looked up: {e}") from None
 
 
 def object_rel(checksum: str) -> str:

@@ -48,6 +48,8 @@ class _Original:
     loc: Located
     size: int
     ident: str | None
+    # False while a local file's ctime is too recent for its identity to vouch for it
+    settled: bool = True
 
 
 def parse_pairs(warehouse: Warehouse, pairs: object) -> list[tuple[Located, str]]:
@@ -62,7 +64,7 @@ def parse_pairs(warehouse: Warehouse, pairs: object) -> list[tuple[Located, str]
             if not isinstance(pair, dict) or set(pair) - {"path", "checksum"}:
                 raise BadRequest("bad pair", 'each pair is {"path": ..., "checksum": ...}')
             c = cks.validate(pair.get("checksum"))
-            out.append((warehouse.locate(pair.get("path")), c))
+            out.append((read.locate(warehouse, pair.get("path")), c))
         except CmrootError as e:
             raise BadRequest(f"bad pair #{i}", f"{str(pair)[:300]}: {e}") from None
     return out
@@ -103,7 +105,7 @@ class Resolver:
         was taken from, and is left out (no checksum) if it vanished or changed while
         hashed: such a pair is then not `original`."""
         sums = self.index.cached_checksums(
-            [(o.loc.key, o.ident) for o in originals if o.ident is not None]
+            [(o.loc.key, o.ident) for o in originals if o.ident is not None and o.settled]
         )
         todo = [o for o in originals if o.loc.key not in sums]
         if todo:
@@ -115,7 +117,7 @@ class Resolver:
                     continue
                 ident, c = got
                 sums[o.loc.key] = c
-                if ident is not None:
+                if ident is not None and o.settled:
                     rows.append((o.loc.key, ident, c))
             if self.cache_writes and rows:
                 self.index.cache_checksums(rows)
@@ -144,7 +146,8 @@ def _stat(loc: Located) -> _Original | None:
             os.close(fd)
         if not stat.S_ISREG(st.st_mode):
             return None
-        return _Original(loc, st.st_size, read.ident_str(read.ident_of(st)))
+        ident = read.ident_of(st)
+        return _Original(loc, st.st_size, read.ident_str(ident), read.settled(ident))
     try:
         info = loc.root.fs.info(loc.path)
     except (FileNotFoundError, NotADirectoryError):
