@@ -17,6 +17,7 @@ from cmroot.exceptions import BadRequest, ConfigError, NotFound
 from cmroot.index import Entry, Event, Index
 from cmroot.store.fsck import LIMIT as FSCK_LIMIT
 from cmroot.store.fsck import FsckReport, fsck
+from cmroot.store.journal import Recovery
 from cmroot.store.layout import Layout
 from cmroot.store.objects import Objects
 from cmroot.store.read import Quarantined, Reader, Verified
@@ -30,9 +31,9 @@ from cmroot.store.recycle import (
 from cmroot.store.resolve import Resolution, Resolver, parse_pairs
 from cmroot.store.sweep import SweepReport, sweep
 from cmroot.store.warehouse import Located, Warehouse
+from cmroot.vocab import METADATA_DROPS, RECORDABLE
 
 __all__ = [
-    "EVENT_TYPES",
     "Quarantined",
     "RecycleRequest",
     "RecycleResult",
@@ -42,23 +43,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-# Drops of a table or partition that held no data (empty, external, outside the roots):
-# nothing to recycle, but replication must still replay them.
-METADATA_DROPS = frozenset({"DROP_TABLE", "DROP_PARTITION"})
-EVENT_TYPES = (
-    frozenset(
-        {
-            "CREATE_DATABASE",
-            "CREATE_TABLE",
-            "ADD_PARTITION",
-            "INSERT",
-            "ALTER_TABLE",
-            "DROP_DATABASE",
-        }
-    )
-    | METADATA_DROPS
-)
 
 
 class Store:
@@ -81,13 +65,23 @@ class Store:
         self.readonly = readonly
         self.layout = Layout(root)
         self._lock_fd = None if readonly else self.layout.lock()
+        self.recovery = Recovery()
         self.warehouse = Warehouse(config.warehouse_roots)
         self.objects = Objects(self.layout, index)
         self.recycler = Recycler(self.layout, index, self.objects, self.warehouse, config, clock)
         self.resolver = Resolver(self.layout, index, not readonly, cks.default_workers())
         self.reader = Reader(self.layout, index, self.warehouse, clock, readonly)
-        if not readonly and (n := self.recycler.recover()):
-            log.warning("rolled back interrupted recycles", extra={"count": n})
+        if not readonly:
+            self.recovery = self.recycler.journal.recover(
+                config.retain_for, self.recycler.server, clock()
+            )
+            r = self.recovery
+            if r.rolled_back or r.finished or r.quarantined:
+                log.warning(
+                    "recovered interrupted recycles",
+                    extra={"rolled_back": r.rolled_back, "finished": r.finished,
+                           "quarantined": r.quarantined, "displaced": len(r.displaced)},
+                )
 
     @classmethod
     def open(
@@ -99,7 +93,7 @@ class Store:
     def close(self) -> None:
         self.index.close()
         if self._lock_fd is not None:
-            os.close(self._lock_fd)
+            self.layout.unlock(self._lock_fd)
             self._lock_fd = None
 
     def __enter__(self) -> Store:
@@ -131,9 +125,9 @@ class Store:
         """Record a non-destructive event (CREATE_TABLE, ADD_PARTITION, INSERT, ...), or a
         drop that held no data. A file given without its checksum is hashed here, from disk:
         the hook then need not read the bytes it just wrote."""
-        if type not in EVENT_TYPES:
+        if not isinstance(type, str) or type not in RECORDABLE:
             raise BadRequest(
-                "unknown eventType", f"{type!r}: use one of {', '.join(sorted(EVENT_TYPES))}"
+                "unknown eventType", f"{type!r}: use one of {', '.join(sorted(RECORDABLE))}"
             )
         if type in METADATA_DROPS and files:
             raise BadRequest(

@@ -34,12 +34,13 @@ from cmroot.exceptions import NotFound
 from cmroot.index import Index
 from cmroot.store import confined
 from cmroot.store.layout import Layout
+from cmroot.store.source.local import Ident, ident_of, ident_str
+from cmroot.store.source.remote import remote_ident
 from cmroot.store.warehouse import Located, Warehouse
 from cmroot.vocab import Status
 
 log = logging.getLogger(__name__)
 
-Ident = tuple[int, int, int, int, int]  # st_dev, st_ino, size, mtime_ns, ctime_ns
 TRUSTED = 100_000  # verifications remembered
 # A file whose ctime is this recent is never trusted or cached by identity: timestamps
 # tick coarsely (a jiffy), so a rewrite within the same tick would keep the identity
@@ -70,36 +71,14 @@ NO_FILE = (
 )
 
 
-class Quarantined(NotFound):
-    """The store's object did not hash to its name: moved aside, never served (a 404: the
-    request was fine, the bytes are not there)."""
-
-
-def ident_of(st: os.stat_result) -> Ident:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 def settled(ident: Ident) -> bool:
     """Whether the identity can vouch for the bytes (its ctime is not too recent)."""
     return time.time_ns() - ident[4] > RACY_NS
 
 
-def ident_str(ident: Ident) -> str:
-    """The identity as the index's checksum cache keys it."""
-    return "local:" + ":".join(str(x) for x in ident)
-
-
-def remote_ident(info: dict[str, Any]) -> str | None:
-    """An object store file's identity: its version id or ETag, else (weakest) size and
-    modification time; None when the filesystem gives none of them."""
-    for key in ("VersionId", "version_id", "ETag", "etag", "generation"):
-        if info.get(key):
-            return f"{key.lower()}:{info[key]}"
-    mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
-    if mtime is None:
-        return None
-    t = mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime)
-    return f"size-mtime:{int(info.get('size') or 0)}:{int(t * 1e9)}"
+class Quarantined(NotFound):
+    """The store's object did not hash to its name: moved aside, never served (a 404: the
+    request was fine, the bytes are not there)."""
 
 
 @dataclass(eq=False)

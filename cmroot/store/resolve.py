@@ -17,6 +17,8 @@ from cmroot.exceptions import BadRequest, CmrootError
 from cmroot.index import Index
 from cmroot.store import read
 from cmroot.store.layout import Layout
+from cmroot.store.source.local import ident_of, ident_str
+from cmroot.store.source.remote import remote_ident
 from cmroot.store.warehouse import Located, Warehouse
 
 MAX_PAIRS = 100_000
@@ -146,15 +148,15 @@ def _stat(loc: Located) -> _Original | None:
             os.close(fd)
         if not stat.S_ISREG(st.st_mode):
             return None
-        ident = read.ident_of(st)
-        return _Original(loc, st.st_size, read.ident_str(ident), read.settled(ident))
+        ident = ident_of(st)
+        return _Original(loc, st.st_size, ident_str(ident), read.settled(ident))
     try:
         info = loc.root.fs.info(loc.path)
     except (FileNotFoundError, NotADirectoryError):
         return None
     if info.get("type") != "file":
         return None
-    return _Original(loc, int(info.get("size") or 0), read.remote_ident(info))
+    return _Original(loc, int(info.get("size") or 0), remote_ident(info))
 
 
 def _hash(o: _Original) -> tuple[str | None, str] | None:
@@ -173,11 +175,11 @@ def _hash(o: _Original) -> tuple[str | None, str] | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return None
-        before = read.ident_of(st)
-        if read.ident_str(before) != o.ident:
+        before = ident_of(st)
+        if ident_str(before) != o.ident:
             return None  # replaced since it was looked at: answer for neither version
         c, _ = cks.of_fd(fd)
-        if read.ident_of(os.fstat(fd)) != before:
+        if ident_of(os.fstat(fd)) != before:
             return None  # written to while we read it: no answer to cache or trust
         return o.ident, c
     except OSError as e:

@@ -17,7 +17,7 @@ from typing import Any
 
 from cmroot.config import local_path
 from cmroot.exceptions import BadRequest, OutsideRoots
-from cmroot.store.source import Source, SourceFile, for_root
+from cmroot.store.source import Source, SourceFile, SymlinkRefused, for_root
 
 MAX_PATH = 4096
 NAME_MAX = 255
@@ -149,7 +149,15 @@ class Warehouse:
         dirs: list[Located] = []
         for loc in located:
             self.confirm(loc)
-            found, is_dir = loc.root.source.expand(loc.rel, loc.key)
+            try:
+                found, is_dir = loc.root.source.expand(loc.rel, loc.key)
+            except SymlinkRefused as e:
+                real = os.path.realpath(e.key)
+                if not any(r.local and _under(real, r.real) for r in self.roots):
+                    raise OutsideRoots(
+                        "symlink escapes the warehouse roots", f"{e.key} points to {real}"
+                    ) from None
+                raise
             for f in found:
                 files.setdefault(f.key, (loc.root, f))
             if is_dir:

@@ -14,7 +14,17 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+from cmroot.exceptions import BadRequest
 from cmroot.vocab import Method, Mode
+
+
+class SymlinkRefused(BadRequest):
+    """A symlink where a regular file or directory was to be recycled. The warehouse
+    decides whether it escapes the roots (403) or is merely refused (400)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__("symlinks are not recycled", f"{key} is a symlink: recycle its target")
+        self.key = key
 
 
 @dataclass(frozen=True)

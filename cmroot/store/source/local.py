@@ -21,13 +21,24 @@ from cmroot import checksum as cks
 from cmroot.exceptions import BadRequest, ChecksumMismatch, NotFound
 from cmroot.store import confined
 from cmroot.store.layout import same_bytes
-from cmroot.store.source import Session, Source, SourceFile
+from cmroot.store.source import Session, Source, SourceFile, SymlinkRefused
 from cmroot.vocab import Method, Mode
+
+Ident = tuple[int, int, int, int, int]  # st_dev, st_ino, size, mtime_ns, ctime_ns
+
+
+def ident_of(st: os.stat_result) -> Ident:
+    """What a writer cannot forge: it can restore mtime (`cp -p`, `touch -d`), not ctime."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def ident_str(ident: Ident) -> str:
+    """The identity as the journal and the checksum cache record it."""
+    return "local:" + ":".join(str(x) for x in ident)
 
 
 def identity(st: os.stat_result) -> str:
-    """What a writer cannot forge: it can restore mtime (`cp -p`, `touch -d`), not ctime."""
-    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    return ident_str(ident_of(st))
 
 
 class LocalSource(Source):
@@ -66,13 +77,15 @@ class LocalSource(Source):
                 raise NotFound("no such file", f"{key} does not exist") from None
             except OSError as e:
                 if confined.is_escape(e):
-                    raise BadRequest(
-                        "symlinks are not recycled", f"{key}: a symlink is on its path"
-                    ) from None
+                    raise SymlinkRefused(key) from None
                 raise
         try:
             files = []
-            for dirpath, _, names, dfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+            for dirpath, dirnames, names, dfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+                for d in dirnames:  # fwalk lists a symlink to a directory here, unfollowed
+                    if stat.S_ISLNK(os.stat(d, dir_fd=dfd, follow_symlinks=False).st_mode):
+                        sub = os.path.normpath(os.path.join(dirpath, d))
+                        raise SymlinkRefused(f"{key.rstrip('/')}/{sub}")
                 for n in names:
                     st = os.stat(n, dir_fd=dfd, follow_symlinks=False)
                     sub = os.path.normpath(os.path.join(dirpath, n))
@@ -86,7 +99,7 @@ class LocalSource(Source):
 
 def _check_regular(key: str, st: os.stat_result) -> None:
     if stat.S_ISLNK(st.st_mode):
-        raise BadRequest("symlinks are not recycled", f"{key} is a symlink: recycle its target")
+        raise SymlinkRefused(key)
     if not stat.S_ISREG(st.st_mode):
         raise BadRequest("not a regular file", f"{key} is a device, socket or pipe")
     try:

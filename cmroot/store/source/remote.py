@@ -18,14 +18,22 @@ from cmroot.store.source import Session, Source, SourceFile
 from cmroot.vocab import Method, Mode
 
 
-def identity(info: dict[str, Any]) -> str:
-    """An object's identity from fsspec's info(): its version id or ETag where the store
-    gives one, else size and modification time (the weakest, for plain filesystems)."""
-    for key in ("VersionId", "version_id", "ETag", "etag", "md5"):
+def remote_ident(info: dict[str, Any]) -> str | None:
+    """An object store file's identity: its version id or ETag, else (weakest) size and
+    modification time; None when the filesystem gives none of them."""
+    for key in ("VersionId", "version_id", "ETag", "etag", "generation"):
         if info.get(key):
             return f"{key.lower()}:{info[key]}"
     mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
-    return f"size:{info.get('size')}:{mtime}"
+    if mtime is None:
+        return None
+    t = mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime)
+    return f"size-mtime:{int(info.get('size') or 0)}:{int(t * 1e9)}"
+
+
+def identity(info: dict[str, Any]) -> str:
+    """The identity recorded for a copied source: remote_ident, or its size alone."""
+    return remote_ident(info) or f"size:{info.get('size')}"
 
 
 class RemoteSource(Source):
