@@ -213,6 +213,8 @@ async def _body(request: web.Request, fields: set[str]) -> dict[str, Any]:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadRequest("malformed JSON", str(e)) from None
+    except RecursionError:
+        raise BadRequest("JSON nested too deeply", "send a flat request body") from None
     if not isinstance(body, dict):
         raise BadRequest("malformed request", "the body must be a JSON object")
     unknown = set(body) - fields

@@ -162,8 +162,12 @@ class Store:
         clean: list[dict[str, Any]] = []
         unhashed: list[tuple[int, Located]] = []
         for i, f in enumerate(files):
-            if not isinstance(f, dict) or not isinstance(f.get("size", 0), int):
-                raise BadRequest(f"bad file #{i}", 'each file is {"path", "checksum", "size"}')
+            size = f.get("size", 0) if isinstance(f, dict) else None
+            if type(size) is not int or not 0 <= size < 2**63:  # bool is not a size
+                raise BadRequest(
+                    f"bad file #{i}",
+                    'each file is {"path", "checksum", "size"}, size a non-negative integer',
+                )
             loc = self.warehouse.locate(f.get("path"))
             if "checksum" in f or "size" in f:
                 checksum = cks.validate(f.get("checksum"))

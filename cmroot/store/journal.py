@@ -40,6 +40,7 @@ from typing import Any
 
 from cmroot import checksum as cks
 from cmroot import faults
+from cmroot.exceptions import CmrootError
 from cmroot.index import Entry, Event, Index, PendingTx
 from cmroot.store.layout import Layout, sync_filesystem
 from cmroot.store.objects import Objects
@@ -139,7 +140,11 @@ class Journal:
             shutil.rmtree(self.layout.tx_dir(txid), ignore_errors=True)
             faults.point("journal.unstaged")
             for d in dirs:
-                loc = self.warehouse.locate(d)
+                try:
+                    loc = self.warehouse.locate(d)
+                except CmrootError as e:  # became a symlink out of the roots, say: not ours
+                    log.warning("emptied directory not removed", extra={"dir": d, "error": str(e)})
+                    continue
                 sessions.open(loc.root).remove_empty_dirs(loc.rel, self._keeper(loc.root.url))
         self.index.journal_end(txid)
 
@@ -157,7 +162,17 @@ class Journal:
         displaced: list[Item] = []
         with self.sessions() as sessions:
             for it in items:
-                if self._undo(txid, it, sessions.open(it.root)) == FileState.STAGED_BY_RENAME:
+                try:
+                    state = self._undo(txid, it, sessions.open(it.root))
+                except OSError as e:
+                    # Its way back is gone (the parent became a file, or a symlink out of
+                    # the root): keep it in the store rather than stop the whole rollback.
+                    if it.method != Method.RENAME or not _regular(it.staged):
+                        raise
+                    log.warning("a file cannot go back to its source path: kept in the store",
+                                extra={"path": it.key, "error": str(e), "txid": txid})
+                    state = FileState.STAGED_BY_RENAME
+                if state == FileState.STAGED_BY_RENAME:
                     displaced.append(it)
                 faults.point("journal.rolled_back_file")
         if displaced:
@@ -174,8 +189,13 @@ class Journal:
             return FileState.PLANNED  # never moved, or already put back
         if stat.S_ISREG(st.st_mode) and it.checksum is None:
             it.checksum = cks.of_local_file(it.staged)
-        if it.checksum is not None and _same_inode(st, self.layout.object_path(it.checksum)):
-            return FileState.PUBLISHED
+        if it.checksum is not None:
+            obj = self.layout.object_path(it.checksum)
+            private = f"{it.staged}.private"  # a copy published for a hard-linked source
+            if _same_inode(st, obj) or (
+                os.path.lexists(private) and _same_inode(os.lstat(private), obj)
+            ):
+                return FileState.PUBLISHED
         if it.method == Method.RENAME:
             return FileState.STAGED_BY_RENAME
         return FileState.STAGED_BY_COPY
@@ -340,6 +360,13 @@ class Sessions:
                 s = self._stack.enter_context(root.source.session())
                 self._open[root.url] = s
             return s
+
+
+def _regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _same_inode(st: os.stat_result, path: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Sequence
@@ -30,10 +31,13 @@ class Objects:
         self._lock = threading.Lock()
         self._claims: dict[str, set[str]] = {}
 
-    def publish(self, txid: str, checksum: str, staged: str) -> bool:
+    def publish(self, txid: str, checksum: str, staged: str, private: bool = False) -> bool:
         """Make `staged` available as object `checksum`; True if this created the object.
-        The staged name stays (it is the journal's handle) until the recycle ends."""
+        The staged name stays (it is the journal's handle) until the recycle ends. With
+        `private`, the object gets a copy of the bytes rather than the staged inode."""
         obj = self.layout.object_path(checksum)
+        if private:
+            staged = self._private_copy(staged)
         with self._lock:
             self._claims.setdefault(checksum, set()).add(txid)
             try:
@@ -57,6 +61,16 @@ class Objects:
             )
         self._heal(checksum, staged, obj)
         return True
+
+    @staticmethod
+    def _private_copy(staged: str) -> str:
+        """A copy of `staged` beside it (fsynced): what gets linked as the object."""
+        copy = f"{staged}.private"
+        with open(staged, "rb") as src, open(copy, "wb") as dst:
+            shutil.copyfileobj(src, dst, cks.CHUNK)
+            dst.flush()
+            os.fsync(dst.fileno())
+        return copy
 
     def _heal(self, checksum: str, staged: str, obj: str) -> None:
         """The object's bytes no longer hash to its name (bit rot, or a writer that held

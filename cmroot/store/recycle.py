@@ -34,7 +34,14 @@ from typing import Any
 from cmroot import checksum as cks
 from cmroot import faults
 from cmroot.config import StoreConfig
-from cmroot.exceptions import BadRequest, CmrootError, RecycleFailed, StoreFull
+from cmroot.exceptions import (
+    BadRequest,
+    CmrootError,
+    Conflict,
+    Forbidden,
+    RecycleFailed,
+    StoreFull,
+)
 from cmroot.index import Entry, Event, Index
 from cmroot.store.journal import Item, Journal, Sessions
 from cmroot.store.layout import Layout, sync_filesystem
@@ -142,6 +149,13 @@ class Recycler:
             req = replace(req, location=self.warehouse.locate(req.location).key)
         mode = Mode(req.mode)
         located = [self.warehouse.locate(p) for p in req.paths]
+        for loc in located:
+            if self.warehouse.protected(loc.key):
+                raise Forbidden(
+                    "a warehouse root is never recycled",
+                    f"{loc.key} is a warehouse root or contains one: name the tables or files"
+                    " under it instead",
+                )
         found, dirs = self.warehouse.expand(located)
         txid = uuid.uuid4().hex
         items = [
@@ -205,6 +219,12 @@ class Recycler:
             ) from cause
         if isinstance(cause, CmrootError) or not isinstance(cause, Exception):
             raise cause
+        if isinstance(cause, OSError) and cause.errno in _CHANGED:
+            raise Conflict(
+                "a file changed while it was recycled",
+                f"{cause}; the recycle was rolled back and every file is back at its source:"
+                " another writer (or recycle) changed these paths meanwhile; try again",
+            ) from cause
         if _out_of_space(cause):
             raise StoreFull(
                 "the store is out of space",
@@ -266,8 +286,11 @@ class Recycler:
             it.checksum = cks.of_local_file(it.staged)
         else:
             it.checksum, it.ident = session.copy_out(it.rel, it.staged)
-        it.size = os.path.getsize(it.staged)
-        self.objects.publish(txid, it.checksum, it.staged)
+        st = os.lstat(it.staged)
+        it.size = st.st_size
+        # A renamed file with other names in the warehouse must not become the object
+        # itself: writes through those names would change the stored bytes.
+        self.objects.publish(txid, it.checksum, it.staged, private=st.st_nlink > 1)
         faults.point("recycle.file_published")
 
     # -- what a commit records ------------------------------------------------------------
@@ -308,6 +331,10 @@ class Recycler:
         were rolled back or finished."""
         r = self.journal.recover(self.config.retain_for, self.server, self.clock())
         return r.rolled_back + r.finished
+
+
+# A source that vanished, or whose path changed shape, between listing and staging.
+_CHANGED = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ESTALE})
 
 
 def _out_of_space(e: BaseException) -> bool:

@@ -165,8 +165,13 @@ class Warehouse:
         return list(files.values()), dirs
 
     def protected(self, key: str) -> bool:
-        """A root, or a directory that contains one: never removed (invariant 5)."""
-        return any(_under(r.url, key) for r in self.roots)
+        """A root, or a directory that contains one (by its configured or its real path):
+        never removed, moved or recycled (invariant 5)."""
+        real = os.path.realpath(key) if local_path(key) is not None else key
+        return any(
+            _under(r.url, key) or (r.local and (_under(r.real, key) or _under(r.real, real)))
+            for r in self.roots
+        )
 
     def is_root(self, loc: Located) -> bool:
         return loc.key == loc.root.url

@@ -140,6 +140,9 @@ class LocalSession(Session):
 
     def rename_out(self, rel: str, staged: str) -> None:
         pfd, name = self._parent(rel)
+        before = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        if not stat.S_ISREG(before.st_mode):
+            raise BadRequest("not a regular file", f"{rel} changed into a non-file meanwhile")
         os.rename(name, staged, src_dir_fd=pfd)
         st = os.lstat(staged)
         if not stat.S_ISREG(st.st_mode):
@@ -149,7 +152,9 @@ class LocalSession(Session):
 
     def copy_out(self, rel: str, staged: str) -> tuple[str, str]:
         pfd, name = self._parent(rel)
-        src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+        # O_NONBLOCK: a FIFO swapped in for the file must not hang the copy (fstat refuses it).
+        src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                      dir_fd=pfd)
         try:
             st = os.fstat(src)
             if not stat.S_ISREG(st.st_mode):
@@ -173,6 +178,15 @@ class LocalSession(Session):
 
     def put_back(self, rel: str, staged: str) -> bool:
         pfd, name = self._parent(rel, create=True)
+        if not stat.S_ISREG(os.lstat(staged).st_mode):
+            # Not a file (swapped in the instant between check and rename): move it back
+            # as it is, never over anything.
+            try:
+                os.stat(name, dir_fd=pfd, follow_symlinks=False)
+                return False
+            except FileNotFoundError:
+                os.rename(staged, name, dst_dir_fd=pfd)
+                return True
         try:
             # A link never replaces a file a writer created meanwhile; a crash between it
             # and the unlink leaves two names of one inode, which the next try settles.

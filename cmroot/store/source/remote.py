@@ -115,9 +115,11 @@ class RemoteSession(Session):
     def remove_empty_dirs(self, rel: str, keep: Callable[[str], bool]) -> None:
         # Object stores have no directories to leave behind; for filesystems that do,
         # remove the named directory only if nothing is left under it.
+        # Never a recursive delete: a file written after any emptiness check would go too.
         path = self.source.path(rel)
+        if keep(rel):
+            return
         try:
-            if not keep(rel) and not self.fs.find(path):
-                self.fs.rm(path, recursive=True)
-        except (FileNotFoundError, OSError):
+            self.fs.rmdir(path)
+        except (FileNotFoundError, OSError, NotImplementedError):
             pass
