@@ -7,7 +7,6 @@ execution reaches that fault point (deterministic, no sleeps)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -66,32 +65,37 @@ def test_a_recycle_killed_after_staging_records_no_drop_and_keeps_a_displaced_fi
 def test_a_stuck_transaction_is_quarantined_and_the_daemon_still_starts(
     make_daemon: MakeDaemon,
 ) -> None:
-    d = make_daemon(env=STAGED)
-    t1 = _table(d, "t1")
-    _recycle_and_die(d, "t1")
-    # Make t1's put-back impossible: its partition directories became files.
-    t1_dir = d.warehouse / "db.db" / "t1"
-    shutil.rmtree(t1_dir, ignore_errors=True)
-    t1_dir.parent.mkdir(parents=True, exist_ok=True)
-    t1_dir.write_bytes(b"not a directory")
+    """One transaction that cannot be settled (here: its root was taken out of the
+    configuration while it was pending) is quarantined and reported; the daemon starts,
+    other transactions still roll back, and it is settled once the cause is gone."""
+    d = make_daemon(env=STAGED, start=False)
+    second = d.base / "warehouse2"
+    t1 = write_files(second / "db.db" / "t1", {"f1": b"one" * 50, "p=1/f2": b"two" * 50})
+    both = [str(d.warehouse), str(second)]
+    d.env["CMROOT_STORE_WAREHOUSE_ROOTS"] = ",".join(both)
+    d.start()
+    with pytest.raises(CmrootError):
+        d.client("write").recycle([str(second / "db.db" / "t1")], op="DROP_TABLE")
+    assert d.proc is not None and d.proc.wait(30) == -9
+    d.env["CMROOT_STORE_WAREHOUSE_ROOTS"] = str(d.warehouse)  # the root is gone from config
 
     d.start()  # still with the fault: recovery quarantines t1, then t2 crashes
     assert d.request("GET", "/readyz").status == 200
     t2 = _table(d, "t2")
     _recycle_and_die(d, "t2")
-    d.env.clear()
+    del d.env["CMROOT_FAULTS"]
     d.start()
     assert d.request("GET", "/readyz").status == 200
     assert all(Path(p).read_bytes() == b for p, b in t2.items()), "t2 was not rolled back"
-    assert 'cmroot_quarantined_transactions 1.0' in d.metrics()
+    assert "cmroot_quarantined_transactions 1.0" in d.metrics()
     assert any("quarantined" in r.get("msg", "") for r in d.log_records())
     assert d.client("admin").events(0, 100) == []
 
-    # Once the obstacle is gone, the next start rolls t1 back too.
-    t1_dir.unlink()
+    # Once the root is configured again, the next start rolls t1 back too.
+    d.env["CMROOT_STORE_WAREHOUSE_ROOTS"] = ",".join(both)
     d.restart()
     assert all(Path(p).read_bytes() == b for p, b in t1.items())
-    assert 'cmroot_quarantined_transactions 0.0' in d.metrics()
+    assert "cmroot_quarantined_transactions 0.0" in d.metrics()
     assert d.index_counts()["txs"] == 0
 
 

@@ -20,6 +20,7 @@ from cmroot_testlib import (
     make_table,
     object_files,
     pairs_of,
+    snapshot,
     table_dir,
     write_file,
 )
@@ -116,11 +117,15 @@ def test_dropping_one_partition_leaves_the_table(env, store: Store) -> None:
     assert {e.partition["region"] for e in store.entries()} == {"eu"}
 
 
-def test_recycling_the_warehouse_root_keeps_the_root(env, store: Store) -> None:
+def test_recycling_the_warehouse_root_is_refused_whole(env, store: Store) -> None:
+    """Invariant 5: a root (and any directory containing one) is never recycled."""
     files = make_table(env.warehouse, "db", "t", [{}], files_per_partition=3)
-    store.recycle(RecycleRequest(paths=[str(env.warehouse)], op="DROP_TABLE"))
-    assert env.warehouse.is_dir() and list(env.warehouse.iterdir()) == []
-    assert_retrievable(store, files, status="cmroot")
+    before = snapshot(env)
+    with pytest.raises(OutsideRoots.__mro__[1]) as ei:  # Forbidden: 403
+        store.recycle(RecycleRequest(paths=[str(env.warehouse)], op="DROP_TABLE"))
+    assert ei.value.status == 403 and "root" in str(ei.value)
+    assert snapshot(env) == before
+    assert {p: Path(p).read_bytes() for p in files} == files
 
 
 def test_single_files_file_urls_and_overlapping_paths(env, store: Store) -> None:
