@@ -4,7 +4,6 @@ xxhash releases the GIL while hashing, so a thread pool hashes several files at 
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
@@ -47,11 +46,10 @@ def of_stream(f: IO[bytes]) -> str:
     return h.hexdigest()
 
 
-def of_local_file(path: str, private: bool = False) -> str:
-    """Hash a local file. `private` marks a file only the store writes (staged files,
-    objects): those are hashed through mmap, straight from the page cache, about twice
-    as fast as reading. Never for warehouse files: a writer truncating a mapped file
-    would kill the process with SIGBUS."""
+def of_local_file(path: str) -> str:
+    """Hash a local file by reading it. Never mmap: objects and staged files share their
+    inode with warehouse files, and a writer truncating a mapped file would kill the
+    process with SIGBUS."""
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if size < CHUNK:
@@ -61,19 +59,7 @@ def of_local_file(path: str, private: bool = False) -> str:
             if len(head) <= size:
                 return xxhash.xxh3_128_hexdigest(head)
             f.seek(0)  # it grew while we looked: hash it the long way
-        if not private:
-            h = xxhash.xxh3_128()
-            buf = bytearray(CHUNK)
-            view = memoryview(buf)
-            while n := f.readinto(buf):
-                h.update(view[:n])
-            return h.hexdigest()
-        try:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                return xxhash.xxh3_128_hexdigest(m)
-        except (OSError, ValueError):  # a filesystem without mmap: stream it
-            f.seek(0)
-            return of_stream(f)
+        return of_stream(f)
 
 
 def of_file(fs: Any, path: str) -> str:

@@ -72,9 +72,7 @@ class Store:
         self.resolver = Resolver(self.layout, index, not readonly, cks.default_workers())
         self.reader = Reader(self.layout, index, self.warehouse, clock, readonly)
         if not readonly:
-            self.recovery = self.recycler.journal.recover(
-                config.retain_for, self.recycler.server, clock()
-            )
+            self.recovery = self.recycler.journal.recover(config.retain_for, clock())
             r = self.recovery
             if r.rolled_back or r.finished or r.quarantined:
                 log.warning(

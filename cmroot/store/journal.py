@@ -155,7 +155,7 @@ class Journal:
     # -- rollback -------------------------------------------------------------------------
     def rollback(
         self, txid: str, items: Sequence[Item], request: dict[str, Any], now: float,
-        retain: float, server: str,
+        retain: float,
     ) -> list[str]:
         """Undo an open transaction. Returns the keys of displaced files (kept in the store
         without an event). Raises if a file cannot be put back; the caller quarantines."""
@@ -176,7 +176,7 @@ class Journal:
                     displaced.append(it)
                 faults.point("journal.rolled_back_file")
         if displaced:
-            self._keep_displaced(txid, displaced, request, now, retain, server)
+            self._keep_displaced(txid, displaced, request, now, retain)
         shutil.rmtree(self.layout.tx_dir(txid), ignore_errors=True)
         self.index.journal_end(txid)
         return [it.key for it in displaced]
@@ -235,35 +235,19 @@ class Journal:
 
     def _keep_displaced(
         self, txid: str, items: list[Item], request: dict[str, Any], now: float, retain: float,
-        server: str,
     ) -> None:
         """A file whose source path was re-created while it was away cannot go back without
         clobbering the new file: keep the old bytes in the store, recorded for (path, old
         checksum) as an entry with no event. The log claims no drop."""
-        from cmroot.store.recycle import partition_of
-
         for it in items:
             assert it.checksum is not None
             it.size = os.path.getsize(it.staged)
             self.objects.publish(txid, it.checksum, it.staged)
         sync_filesystem(self.layout.root)
         known = self.index.recorded([(it.key, it.checksum or "") for it in items])
-        entries = [
-            Entry(
-                path=it.key,
-                checksum=it.checksum or "",
-                size=it.size,
-                recycled=now,
-                expires=now + retain,
-                op=str(request.get("op") or "DELETE"),
-                db=request.get("db"),
-                table=request.get("table"),
-                partition=partition_of(it.key, request.get("partitions") or []),
-                purge=bool(request.get("purge")),
-            )
-            for it in items
-            if (it.key, it.checksum) not in known  # already kept by an earlier try
-        ]
+        # Skip what an earlier try already kept.
+        fresh = [it for it in items if (it.key, it.checksum) not in known]
+        entries = entries_of(fresh, request, now, retain)
         self.index.commit_recycle(None, None, entries)
         self.objects.release(txid, {it.checksum for it in items if it.checksum})
         for it in items:
@@ -275,7 +259,7 @@ class Journal:
         )
 
     # -- recovery -------------------------------------------------------------------------
-    def recover(self, retain_for: Any, server: str, now: float) -> Recovery:
+    def recover(self, retain_for: Any, now: float) -> Recovery:
         """Settle every transaction a crash (or an earlier failed rollback) left: finish the
         committed, roll back the open, quarantine any that fails. Never raises for one."""
         out = Recovery()
@@ -293,7 +277,7 @@ class Journal:
                     )
                     retain = retain_for(tx.request.get("db"), tx.request.get("table"))
                     out.displaced += self.rollback(
-                        tx.txid, items, tx.request, now, retain, server
+                        tx.txid, items, tx.request, now, retain
                     )
                     out.rolled_back += 1
             except Exception as e:  # one stuck transaction must not keep the daemon down
@@ -360,6 +344,38 @@ class Sessions:
                 s = self._stack.enter_context(root.source.session())
                 self._open[root.url] = s
             return s
+
+
+def entries_of(
+    items: Sequence[Item], request: dict[str, Any], now: float, retain: float
+) -> list[Entry]:
+    """The entries recording `items` as recycled by `request` (RecycleRequest.to_json())."""
+    partitions = request.get("partitions") or []
+    return [
+        Entry(
+            path=it.key,
+            checksum=it.checksum or "",
+            size=it.size,
+            recycled=now,
+            expires=now + retain,
+            op=str(request.get("op") or "DELETE"),
+            db=request.get("db"),
+            table=request.get("table"),
+            partition=partition_of(it.key, partitions),
+            purge=bool(request.get("purge")),
+        )
+        for it in items
+    ]
+
+
+def partition_of(path: str, partitions: Sequence[dict[str, str]]) -> dict[str, str] | None:
+    """The request partition a file belongs to: the one whose k=v pairs are all segments
+    of its path, or the only one given."""
+    segments = set(path.split("/"))
+    for p in partitions:
+        if p and all(f"{k}={v}" in segments for k, v in p.items()):
+            return dict(p)
+    return dict(partitions[0]) if len(partitions) == 1 else None
 
 
 def _regular(path: str) -> bool:

@@ -43,7 +43,7 @@ from cmroot.exceptions import (
     StoreFull,
 )
 from cmroot.index import Entry, Event, Index
-from cmroot.store.journal import Item, Journal, Sessions
+from cmroot.store.journal import Item, Journal, Sessions, entries_of
 from cmroot.store.layout import Layout, sync_filesystem
 from cmroot.store.objects import Objects
 from cmroot.store.warehouse import Warehouse
@@ -197,8 +197,7 @@ class Recycler:
         """Roll back after a failure, and raise what the client should see."""
         retain = self.config.retain_for(req.db, req.table)
         try:
-            displaced = self.journal.rollback(txid, items, req.to_json(), now, retain,
-                                              self.server)
+            displaced = self.journal.rollback(txid, items, req.to_json(), now, retain)
         except Exception as e:
             self.index.quarantine_tx(txid, f"rollback: {type(e).__name__}: {e}")
             log.error("recycle could not be rolled back: quarantined",
@@ -295,22 +294,7 @@ class Recycler:
 
     # -- what a commit records ------------------------------------------------------------
     def _entries(self, req: RecycleRequest, items: Sequence[Item], now: float) -> list[Entry]:
-        retain = self.config.retain_for(req.db, req.table)
-        return [
-            Entry(
-                path=it.key,
-                checksum=it.checksum or "",
-                size=it.size,
-                recycled=now,
-                expires=now + retain,
-                op=req.op,
-                db=req.db,
-                table=req.table,
-                partition=partition_of(it.key, req.partitions),
-                purge=req.purge,
-            )
-            for it in items
-        ]
+        return entries_of(items, req.to_json(), now, self.config.retain_for(req.db, req.table))
 
     def _event(self, req: RecycleRequest, items: Sequence[Item], now: float) -> Event:
         return Event(
@@ -329,7 +313,7 @@ class Recycler:
     def recover(self) -> int:
         """Settle what a crash left (see Journal.recover). Returns how many transactions
         were rolled back or finished."""
-        r = self.journal.recover(self.config.retain_for, self.server, self.clock())
+        r = self.journal.recover(self.config.retain_for, self.clock())
         return r.rolled_back + r.finished
 
 
@@ -342,13 +326,3 @@ def _out_of_space(e: BaseException) -> bool:
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     return isinstance(e, sqlite3.OperationalError) and "full" in str(e)
-
-
-def partition_of(path: str, partitions: Sequence[dict[str, str]]) -> dict[str, str] | None:
-    """The request partition a file belongs to: the one whose k=v pairs are all segments
-    of its path, or the only one given."""
-    segments = set(path.split("/"))
-    for p in partitions:
-        if p and all(f"{k}={v}" in segments for k, v in p.items()):
-            return dict(p)
-    return dict(partitions[0]) if len(partitions) == 1 else None
