@@ -338,6 +338,9 @@ class Sessions:
         self._lock = threading.Lock()
 
     def open(self, root: Root) -> Session:
+        s = self._open.get(root.url)  # a dict read is atomic: the lock guards inserts only
+        if s is not None:
+            return s
         with self._lock:
             s = self._open.get(root.url)
             if s is None:

@@ -46,7 +46,7 @@ class Layout:
         return os.path.join(self.staging, txid)
 
     def staged_path(self, txid: str, seq: int) -> str:
-        return os.path.join(self.staging, txid, str(seq))
+        return f"{self.staging}/{txid}/{seq}"
 
     def lock(self) -> int:
         """Take the store's write lock (released when the process dies, even by kill -9).

@@ -264,8 +264,13 @@ class Recycler:
         total = sum(it.size for it in items)
         workers = self.workers if total >= _PARALLEL_MIN_SIZE * max(1, len(items)) else 1
         size = max(1, min(_BATCH, len(items) // (workers * 4) or 1))
+        chunks = [items[i : i + size] for i in range(0, len(items), size)]
+        if workers == 1:
+            for chunk in chunks:  # no thread hand-off for GIL-bound work
+                batch(chunk)
+            return
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = [pool.submit(batch, items[i : i + size]) for i in range(0, len(items), size)]
+            futures = [pool.submit(batch, chunk) for chunk in chunks]
         for f in futures:
             f.result()
 
@@ -281,11 +286,12 @@ class Recycler:
         faults.point("recycle.file_staged")
         if it.method == Method.RENAME:
             # Read, not mmap: the inode is the warehouse file's, and a straggler writer
-            # truncating a mapped file would kill the daemon with SIGBUS.
-            it.checksum = cks.of_local_file(it.staged)
+            # truncating a mapped file would kill the daemon with SIGBUS. A symlink or a
+            # directory swapped in since the listing is refused here (and put back as is).
+            it.checksum, st = cks.of_regular_file(it.staged)
         else:
             it.checksum, it.ident = session.copy_out(it.rel, it.staged)
-        st = os.lstat(it.staged)
+            st = os.lstat(it.staged)
         it.size = st.st_size
         # A renamed file with other names in the warehouse must not become the object
         # itself: writes through those names would change the stored bytes.

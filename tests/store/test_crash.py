@@ -148,8 +148,8 @@ def test_publish_link_fails_on_kth_file(env, store, monkeypatch, k) -> None:
 
 @pytest.mark.parametrize("k", K)
 def test_hashing_the_staged_file_fails_on_kth_file(env, store, monkeypatch, k) -> None:
-    fault = FailOnKth(cks.of_local_file, k, OSError(errno.EIO, "injected read failure"))
-    monkeypatch.setattr(cks, "of_local_file", fault)
+    fault = FailOnKth(cks.of_regular_file, k, OSError(errno.EIO, "injected read failure"))
+    monkeypatch.setattr(cks, "of_regular_file", fault)
     recycle_and_check_rolled_back(env, store)
     assert fault.fired
 

@@ -44,7 +44,8 @@ class Session(ABC):
     @abstractmethod
     def rename_out(self, rel: str, staged: str) -> None:
         """Rename the file at `rel` to the local path `staged` (same filesystem); raise
-        OSError(EXDEV) when the two are on different filesystems."""
+        OSError(EXDEV) when the two are on different filesystems. What arrives is checked
+        by the caller's hash of `staged`, which refuses anything but a regular file."""
 
     @abstractmethod
     def copy_out(self, rel: str, staged: str) -> tuple[str, str]:

@@ -126,8 +126,7 @@ class LocalSession(Session):
 
     def _parent(self, rel: str, create: bool = False) -> tuple[int, str]:
         head, _, name = rel.rpartition("/")
-        with self._lock:
-            fd = self._dirs.get(head)
+        fd = self._dirs.get(head)  # a dict read is atomic: the lock guards inserts only
         if fd is None:
             fd = confined.open_dir_beneath(self.root, head, create)
             with self._lock:
@@ -143,12 +142,9 @@ class LocalSession(Session):
         before = os.stat(name, dir_fd=pfd, follow_symlinks=False)
         if not stat.S_ISREG(before.st_mode):
             raise BadRequest("not a regular file", f"{rel} changed into a non-file meanwhile")
+        # Swapped for a symlink or a directory between that look and the rename: the
+        # caller's hash of the staged name refuses it, and its rollback puts it back.
         os.rename(name, staged, src_dir_fd=pfd)
-        st = os.lstat(staged)
-        if not stat.S_ISREG(st.st_mode):
-            # Swapped for a symlink or a directory since it was listed: refuse (the
-            # caller's rollback renames it back, as it is).
-            raise BadRequest("not a regular file", f"{rel} changed into a non-file meanwhile")
 
     def copy_out(self, rel: str, staged: str) -> tuple[str, str]:
         pfd, name = self._parent(rel)
