@@ -10,12 +10,15 @@ import os
 import random
 import sqlite3
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from cmroot import checksum as cks
 from cmroot import config as cfgmod
+from cmroot import faults
 from cmroot.config import Config
 from cmroot.store import Store
 
@@ -218,3 +221,21 @@ def assert_retrievable(store: Store, files: Mapping[str, bytes], status: str | N
                 assert v.status == status
             assert os.pread(v.fd, len(data) + 1, 0) == data, f"wrong bytes served for {path}"
             assert v.size == len(data)
+
+
+def on_point(
+    monkeypatch: pytest.MonkeyPatch, name: str, fn: Callable[[], None], k: int = 1
+) -> None:
+    """Run `fn` (a racing writer, or a failure) the k-th time execution passes fault
+    point `name`, then go on as the real point would."""
+    real = faults.point
+    seen = {"n": 0}
+
+    def point(n: str) -> None:
+        if n == name:
+            seen["n"] += 1
+            if seen["n"] == k:
+                fn()
+        real(n)
+
+    monkeypatch.setattr(faults, "point", point)

@@ -34,7 +34,8 @@ from cmroot.exceptions import NotFound
 from cmroot.index import Index
 from cmroot.store import confined
 from cmroot.store.layout import Layout
-from cmroot.store.source.local import Ident, ident_of, ident_str
+from cmroot.store.source import SymlinkRefused
+from cmroot.store.source.local import Ident, LocalSource, ident_of, ident_str
 from cmroot.store.source.remote import remote_ident
 from cmroot.store.warehouse import Located, Warehouse
 from cmroot.vocab import Status
@@ -377,16 +378,16 @@ class Reader:
 def locate(warehouse: Warehouse, raw: object, attempts: int = 3) -> Located:
     """Warehouse.locate, tolerant of the path changing under it: realpath() raises
     (ENOENT, EINVAL) when a symlink on the way is swapped while it is being read. Tried
-    again, then answered as a path with nothing at it (never an internal error)."""
-    for _ in range(attempts - 1):
+    again, then placed by name with no original there: the pair can still be answered
+    from its recycled copies (never an internal error, never a refused batch)."""
+    for _ in range(attempts):
         try:
             return warehouse.locate(raw)
         except OSError:
             continue
-    try:
-        return warehouse.locate(raw)
-    except OSError as e:
-        raise NotFound("no such file", f"{raw!r} kept changing while looked up: {e}") from None
+    log.info("path kept changing while looked up: its original is not considered",
+             extra={"path": str(raw)[:300]})
+    return warehouse.locate(raw, resolve=False)
 
 
 def object_rel(checksum: str) -> str:
@@ -408,8 +409,12 @@ def open_original(loc: Located, root_fd: int | None = None) -> int | None:
     try:
         if root_fd is not None:
             return confined.open_beneath(root_fd, rel, READ_FLAGS)
-        with confined.directory(loc.root.real) as rfd:
+        source = loc.root.source
+        assert isinstance(source, LocalSource), "open_original is for local roots"
+        with source.root() as rfd:
             return confined.open_beneath(rfd, rel, READ_FLAGS)
+    except SymlinkRefused:
+        return None  # a nested root swapped for a symlink: nothing of ours is there
     except OSError as e:
         if e.errno in NO_FILE:
             return None

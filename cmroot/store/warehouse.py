@@ -18,6 +18,7 @@ from typing import Any
 from cmroot.config import local_path
 from cmroot.exceptions import BadRequest, OutsideRoots
 from cmroot.store.source import Source, SourceFile, SymlinkRefused, for_root
+from cmroot.store.source.local import LocalSource
 
 MAX_PATH = 4096
 NAME_MAX = 255
@@ -71,6 +72,11 @@ class Warehouse:
                 src = for_root(url, None)
                 self.roots.append(Root(url.rstrip("/"), src.fs, src.root_path, False, "", src))
         self._real_dirs: dict[str, tuple[float, str]] = {}
+        for root in self.roots:
+            if isinstance(root.source, LocalSource):
+                outer = _enclosing(root, self.roots)
+                if outer is not None and isinstance(outer.source, LocalSource):
+                    root.source.outer = (outer.source, root.real[len(outer.real) :].strip("/"))
 
     def _realpath(self, path: str) -> tuple[str, os.stat_result | None, bool]:
         """realpath(), with the parent directory's answer cached for a second: a batch of
@@ -94,8 +100,10 @@ class Warehouse:
             return os.path.realpath(joined), None, False
         return joined, st if stat.S_ISREG(st.st_mode) else None, True
 
-    def locate(self, raw: object) -> Located:
-        """Canonicalise and confine one request path (it need not exist)."""
+    def locate(self, raw: object, resolve: bool = True) -> Located:
+        """Canonicalise and confine one request path (it need not exist). Without
+        `resolve`, a local path is placed under its root by name only and marked as having
+        no file there: enough to look up its recycled copies, never to touch the path."""
         if not isinstance(raw, str) or not raw:
             raise BadRequest("bad path", f"{raw!r}: give an absolute path or URL as a string")
         if "\0" in raw or len(raw) > MAX_PATH:
@@ -115,23 +123,29 @@ class Warehouse:
                 len(s.encode()) > NAME_MAX for s in key.split("/")
             ):
                 raise BadRequest("bad path", f"{raw[:200]!r} has a name over {NAME_MAX} bytes")
-            for root in self.roots:
-                if root.local and _under(key, root.url):
-                    real, st, statted = self._realpath(key)
-                    if not any(r.local and _under(real, r.real) for r in self.roots):
-                        raise OutsideRoots(
-                            "path escapes the warehouse roots",
-                            f"{raw!r} resolves through a symlink to {real!r}",
-                        )
-                    return Located(key, root, key, st, statted)
-            raise OutsideRoots(
-                "path outside the warehouse roots", f"{raw!r} is not under {self._names()}"
-            )
+            root = self._local_root(key, raw)
+            if not resolve:
+                return Located(key, root, key, None, True)
+            real, st, statted = self._realpath(key)
+            if not any(r.local and _under(real, r.real) for r in self.roots):
+                raise OutsideRoots(
+                    "path escapes the warehouse roots",
+                    f"{raw!r} resolves through a symlink to {real!r}",
+                )
+            return Located(key, root, key, st, statted)
         scheme, _, rest = raw.partition("://")
         key = f"{scheme}://{_normalise('/' + rest, raw)[1:]}"
         for root in self.roots:
             if not root.local and _under(key, root.url):
                 return Located(key, root, root.path + key[len(root.url) :])
+        raise OutsideRoots(
+            "path outside the warehouse roots", f"{raw!r} is not under {self._names()}"
+        )
+
+    def _local_root(self, key: str, raw: str) -> Root:
+        for root in self.roots:
+            if root.local and _under(key, root.url):
+                return root
         raise OutsideRoots(
             "path outside the warehouse roots", f"{raw!r} is not under {self._names()}"
         )
@@ -186,6 +200,13 @@ class Warehouse:
                     "path escapes the warehouse roots",
                     f"{loc.key!r} resolves through a symlink to {real!r}",
                 )
+
+
+def _enclosing(root: Root, roots: Sequence[Root]) -> Root | None:
+    """The local root whose real directory most closely contains `root`'s (None if none;
+    a root configured twice is not nested in itself)."""
+    outer = [r for r in roots if r.local and r.real != root.real and _under(root.real, r.real)]
+    return max(outer, key=lambda r: len(r.real), default=None)
 
 
 def _normalise(path: str, raw: str) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from cmroot_testlib import Env
+from cmroot_testlib import Env, on_point
 
 from cmroot.exceptions import CmrootError
 from cmroot.store import RecycleRequest
@@ -66,11 +66,6 @@ def test_root_configured_through_a_symlink_is_not_removed(env: Env) -> None:
     assert os.path.isdir(links / "inner")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="roots are opened by path for each request: holding each root's directory"
-    " descriptor from start-up closes this (open, see the closing note of issue 9)",
-)
 def test_nested_root_swapped_for_a_symlink_does_not_serve_outside_bytes(env: Env) -> None:
     """Roots /wh/t/inner and /wh (nested; the inner one listed first). A writer of /wh
     controls /wh/t, so it can replace the directory /wh/t/inner with a symlink to
@@ -81,8 +76,8 @@ def test_nested_root_swapped_for_a_symlink_does_not_serve_outside_bytes(env: Env
     /outside/f> serves /outside/f (and resolve says "original": an oracle for any file
     outside the roots).
     Breaks invariants 3 and 5 (bytes served from outside the roots and store).
-    Expected: NotFound / OutsideRoots; the root's descriptor should be opened once at
-    start (or its real path re-checked), not re-resolved by name."""
+    Expected: NotFound / OutsideRoots: a nested root is reached through its outer
+    root's descriptor with no symlink followed."""
     inner = env.warehouse / "t" / "inner"
     inner.mkdir(parents=True)
     (inner / "f").write_bytes(b"inside")
@@ -103,3 +98,28 @@ def test_nested_root_swapped_for_a_symlink_does_not_serve_outside_bytes(env: Env
     except (NotFound, CmrootError):
         pass
     assert leaked is None, f"served bytes from outside the roots: {leaked!r}"
+
+
+def test_nested_root_swapped_for_a_symlink_is_never_recycled_from(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Roots /wh/t/inner and /wh; a writer of /wh swaps /wh/t/inner for a symlink to
+    /outside after the request was confined and journaled, before its file is staged.
+    /outside/f must not move into the store: the nested root is opened through /wh's
+    descriptor, where the symlink is refused."""
+    inner = env.warehouse / "t" / "inner"
+    inner.mkdir(parents=True)
+    (inner / "f").write_bytes(b"inside")
+    (env.outside / "f").write_bytes(b"outside")
+    store = env.open(CMROOT_STORE_WAREHOUSE_ROOTS=f"{inner},{env.warehouse}")
+
+    def swap() -> None:
+        inner.rename(env.warehouse / "t" / "inner.old")
+        inner.symlink_to(env.outside)
+
+    on_point(monkeypatch, "journal.begun", swap)
+    with pytest.raises(CmrootError):
+        store.recycle(RecycleRequest(paths=[str(inner / "f")], op="DELETE"))
+    assert (env.outside / "f").read_bytes() == b"outside"
+    assert (env.warehouse / "t" / "inner.old" / "f").read_bytes() == b"inside"
+    assert store.index.stats()[0] == 0, "an object was recorded"

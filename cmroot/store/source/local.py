@@ -48,20 +48,50 @@ class LocalSource(Source):
         self.real = real
         self.root_path = real
         self.fs = fsspec.filesystem("file")
+        # The nearest other root this one lies in, and its path below that root: a writer
+        # of the outer root could swap this root's directory for a symlink, so it is
+        # reached through the outer root's descriptor, never by its path.
+        self.outer: tuple[LocalSource, str] | None = None
 
     def method(self, mode: Mode) -> Method:
         return Method.RENAME if mode == Mode.MOVE else Method.COPY
 
+    def open_root(self) -> int:
+        """A new descriptor of the root directory (the caller closes it). A top-level root
+        is opened by its real path (its parents belong to administrators, not to warehouse
+        writers); a nested one below its outer root's descriptor, no symlink followed, so
+        a swap makes every request under it fail instead of reading outside files."""
+        if self.outer is None:
+            return os.open(self.real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        source, rel = self.outer
+        outer = source.open_root()
+        try:
+            return confined.open_dir_beneath(outer, rel)
+        except OSError as e:
+            if confined.is_escape(e):
+                raise SymlinkRefused(self.real) from None
+            raise
+        finally:
+            os.close(outer)
+
+    @contextmanager
+    def root(self) -> Iterator[int]:
+        fd = self.open_root()
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
     @contextmanager
     def session(self) -> Iterator[LocalSession]:
-        s = LocalSession(self.real)
+        s = LocalSession(self.open_root())
         try:
             yield s
         finally:
             s.close()
 
     def expand(self, rel: str, key: str) -> tuple[list[SourceFile], bool]:
-        with confined.directory(self.real) as root:
+        with self.root() as root:
             try:
                 if not rel:
                     top = confined.open_dir_beneath(root, "")
@@ -112,8 +142,8 @@ class LocalSession(Session):
     """Directory descriptors of the root and of each parent directory used, opened once
     per session (a 10,000-file drop in 100 partitions opens 100, not 10,000)."""
 
-    def __init__(self, real: str) -> None:
-        self.root = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    def __init__(self, root_fd: int) -> None:
+        self.root = root_fd  # owned: closed with the session
         self._dirs: dict[str, int] = {}
         self._lock = threading.Lock()
 
