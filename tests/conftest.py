@@ -9,9 +9,12 @@ store; tests that inject faults monkeypatch os-level calls themselves."""
 from __future__ import annotations
 
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import fsspec
 import pytest
 
 TESTS = Path(__file__).resolve().parent
@@ -21,6 +24,7 @@ for p in (TESTS.parent, TESTS):  # run from a checkout, installed or not, any im
 
 from cmroot_testlib import Clock, Env  # noqa: E402
 
+from cmroot import config as cfg  # noqa: E402
 from cmroot.store import Store  # noqa: E402
 
 
@@ -59,3 +63,22 @@ def _no_fault_left_armed() -> Iterator[None]:
 
     yield
     faults.disarm()
+
+
+@pytest.fixture
+def remote(tmp_path: Path) -> Iterator[tuple[Store, Any, str]]:
+    """A store whose one warehouse root is a bucket on fsspec's in-memory filesystem:
+    (store, fs, bucket), the bucket removed afterwards."""
+    bucket = f"wh-{uuid.uuid4().hex[:8]}"
+    fs = fsspec.filesystem("memory")
+    config = cfg.load(
+        None,
+        {
+            "CMROOT_STORE_ROOT": str(tmp_path / "store"),
+            "CMROOT_STORE_WAREHOUSE_ROOTS": f"memory://{bucket}",
+        },
+    )
+    with Store.open(config) as store:
+        yield store, fs, bucket
+    if fs.exists(f"/{bucket}"):
+        fs.rm(f"/{bucket}", recursive=True)

@@ -21,9 +21,10 @@ class Base:
         self.path = path
         self._lock = threading.RLock()
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        # The timeout first: switching to WAL takes a lock another process may hold.
+        self._db.execute("PRAGMA busy_timeout=30000")
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA busy_timeout=30000")
         # Entry inserts land at random places in the checksum and path indexes; with
         # SQLite's 2 MiB default cache a 10,000-file commit slowed as the index grew
         # (0.13 s -> 0.25 s by 40,000 entries). 64 MiB keeps it flat at that size.

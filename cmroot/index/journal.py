@@ -87,6 +87,11 @@ class JournalTables(Catalog, EventLog):
                 (error, txid, TxState.COMMITTED.value),
             )
 
+    def pending_txids(self) -> list[str]:
+        """The transactions in the journal, oldest first, without their (possibly
+        millions of) file rows: callers load one at a time with `pending(txid)`."""
+        return [r[0] for r in self._query("SELECT txid FROM txs ORDER BY started, txid", ())]
+
     def pending(self, txid: str | None = None) -> list[PendingTx]:
         """Transactions in the journal (all, or the one named), oldest first."""
         txs = self._query(

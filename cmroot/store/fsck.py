@@ -29,7 +29,7 @@ import errno
 import os
 import re
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,9 +126,12 @@ def fsck(
     """Check (and with `repair`, fix) the store. `progress(done, total)` is called once per
     shard directory visited."""
     report = FsckReport(repair, limit)
-    pending = index.pending()
-    _transactions(layout, pending, report)
-    _staging(layout, pending, report)
+    owned: set[str] = set()
+    for txid in index.pending_txids():  # one transaction's rows in memory at a time
+        for tx in index.pending(txid):
+            _transaction(layout, tx, report)
+            owned |= _owned(layout, tx)
+    _staging(layout, owned, report)
     with ThreadPoolExecutor(max_workers=cks.default_workers()) as pool:
         walk = _Walk(layout, index, now, retain, repair, report, pool)
         shards = walk.plan()
@@ -158,32 +161,35 @@ def troubled(tx: PendingTx) -> bool:
     )
 
 
-def _transactions(layout: Layout, pending: Sequence[PendingTx], report: FsckReport) -> None:
-    for tx in pending:
-        if troubled(tx):
-            report.add(
-                "quarantined_transactions",
-                {
-                    "txid": tx.txid,
-                    "state": str(tx.state),
-                    "error": tx.error,
-                    "files": len(tx.rows),
-                    "staging": layout.tx_dir(tx.txid),
-                    "started": tx.started,
-                },
-            )
+def _transaction(layout: Layout, tx: PendingTx, report: FsckReport) -> None:
+    if troubled(tx):
+        report.add(
+            "quarantined_transactions",
+            {
+                "txid": tx.txid,
+                "state": str(tx.state),
+                "error": tx.error,
+                "files": len(tx.rows),
+                "staging": layout.tx_dir(tx.txid),
+                "started": tx.started,
+            },
+        )
 
 
-def _staging(layout: Layout, pending: Sequence[PendingTx], report: FsckReport) -> None:
+def _owned(layout: Layout, tx: PendingTx) -> set[str]:
+    """The staging entries a transaction of the journal (troubled or not) owns: its
+    directory, and wherever its rows say its files are staged."""
+    owned = {os.path.basename(layout.tx_dir(tx.txid))}
+    for row in tx.rows:
+        rel = os.path.relpath(row.staged, layout.staging)
+        if not rel.startswith(os.pardir):
+            owned.add(rel.split(os.sep, 1)[0])
+    return owned
+
+
+def _staging(layout: Layout, owned: set[str], report: FsckReport) -> None:
     """Whatever is in staging and belongs to no transaction of the journal is stray (it is
-    reported, never removed). The files of a transaction in the journal, troubled or not,
-    are that transaction's: they are not stray."""
-    owned = {os.path.basename(layout.tx_dir(tx.txid)) for tx in pending}
-    for tx in pending:
-        for row in tx.rows:
-            rel = os.path.relpath(row.staged, layout.staging)
-            if not rel.startswith(os.pardir):
-                owned.add(rel.split(os.sep, 1)[0])
+    reported, never removed)."""
     try:
         names = sorted(os.listdir(layout.staging))
     except FileNotFoundError:

@@ -263,7 +263,11 @@ class Journal:
         """Settle every transaction a crash (or an earlier failed rollback) left: finish the
         committed, roll back the open, quarantine any that fails. Never raises for one."""
         out = Recovery()
-        for tx in self.index.pending():
+        for txid in self.index.pending_txids():
+            found = self.index.pending(txid)
+            if not found:
+                continue
+            tx = found[0]
             try:
                 items = self._items(tx)
                 mode = Mode(tx.mode)
@@ -308,7 +312,7 @@ class Journal:
         """Staging directories with no journal record (left by an older release, whose
         clean-up ran after closing the record): a file there that is also a present object
         goes; anything else stays, for fsck to report."""
-        live = {tx.txid for tx in self.index.pending()}
+        live = set(self.index.pending_txids())
         for name in os.listdir(self.layout.staging):
             if name in live:
                 continue

@@ -2,34 +2,12 @@
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import fsspec
 import pytest
 
-from cmroot import config as cfg
 from cmroot import faults
 from cmroot.store import RecycleRequest, Store
-
-
-@pytest.fixture
-def remote(tmp_path: Path) -> Iterator[tuple[Store, Any, str]]:
-    bucket = f"wh-{uuid.uuid4().hex[:8]}"
-    fs = fsspec.filesystem("memory")
-    config = cfg.load(
-        None,
-        {
-            "CMROOT_STORE_ROOT": str(tmp_path / "store"),
-            "CMROOT_STORE_WAREHOUSE_ROOTS": f"memory://{bucket}",
-        },
-    )
-    with Store.open(config) as store:
-        yield store, fs, bucket
-    if fs.exists(f"/{bucket}"):
-        fs.rm(f"/{bucket}", recursive=True)
 
 
 def test_clean_up_does_not_delete_a_file_written_after_the_emptiness_check(

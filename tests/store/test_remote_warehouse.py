@@ -5,32 +5,12 @@ serves through fsspec."""
 from __future__ import annotations
 
 import os
-import uuid
 
-import fsspec
 import pytest
 
 from cmroot import checksum as cks
-from cmroot import config as cfg
 from cmroot.exceptions import NotFound, OutsideRoots
-from cmroot.store import RecycleRequest, Store
-
-
-@pytest.fixture
-def remote(tmp_path):
-    bucket = f"wh-{uuid.uuid4().hex[:8]}"
-    fs = fsspec.filesystem("memory")
-    config = cfg.load(
-        None,
-        {
-            "CMROOT_STORE_ROOT": str(tmp_path / "store"),
-            "CMROOT_STORE_WAREHOUSE_ROOTS": f"memory://{bucket}",
-        },
-    )
-    with Store.open(config) as store:
-        yield store, fs, bucket
-    if fs.exists(f"/{bucket}"):
-        fs.rm(f"/{bucket}", recursive=True)
+from cmroot.store import RecycleRequest
 
 
 def _write(fs, path: str, data: bytes) -> None:
