@@ -30,27 +30,29 @@ _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 _DURATION = re.compile(
     r"\s*(\d+(?:\.\d+)?)\s*(s|sec|secs|m|min|mins|h|hour|hours|d|day|days|w)?\s*"
 )
+_UNIT_CHOICES = "90s, 15m, 24h or 7d"
 
 
-def parse_duration(
-    text: str | int | float, key: str = "duration", default_unit: str = "s"
-) -> float:
-    """`90s`, `15m`, `24h`, `7d` (a bare number is in `default_unit`) → seconds."""
-    if isinstance(text, bool):
-        raise ConfigError(f"bad duration for {key}", f"{text!r}: write it like 90s, 15m, 24h or 7d")
-    if isinstance(text, (int, float)):
-        seconds = float(text) * _UNITS[default_unit]
-    else:
-        m = _DURATION.fullmatch(text)
-        if not m:
-            raise ConfigError(
-                f"bad duration for {key}", f"{text!r}: write it like 90s, 15m, 24h or 7d"
-            )
-        unit = (m.group(2) or default_unit)[0]
-        seconds = float(m.group(1)) * _UNITS[unit]
+def parse_duration(text: str | int | float, key: str = "duration") -> float:
+    """`90s`, `15m`, `24h`, `7d` → seconds. A bare number is refused: Hive reads one in
+    hours, and guessing seconds instead once turned a day of retention into 24 seconds."""
+    m = _DURATION.fullmatch(text) if isinstance(text, str) else None
+    if m is None or m.group(2) is None:
+        bare = m is not None or _is_number(text)
+        raise ConfigError(
+            f"bad duration for {key}",
+            f"{text!r}"
+            + (" has no unit: add one" if bare else ": write it")
+            + f" like {_UNIT_CHOICES} (s, m, h, d or w)",
+        )
+    seconds = float(m.group(1)) * _UNITS[m.group(2)[0]]
     if seconds <= 0:
         raise ConfigError(f"bad duration for {key}", f"{text!r}: it must be greater than zero")
     return seconds
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def data_home() -> str:
@@ -342,7 +344,8 @@ def read_hive_site(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _hive_duration(value: str, unit: str) -> str:
-    return value + unit if value.strip().isdigit() else value
+    m = _DURATION.fullmatch(value)
+    return value.strip() + unit if m and m.group(2) is None else value
 
 
 def default_config_path() -> str | None:

@@ -76,18 +76,17 @@ def test_load_reads_the_process_environment_when_env_is_not_given(
         ("1w", 604800),
         ("1.5h", 5400),
         (" 2 h ", 7200),
-        ("10", 10),
         ("3 days", 259200),
         ("5min", 300),
-        (42, 42),
-        (0.5, 0.5),
     ],
 )
 def test_parse_duration(text: str | int, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("bad", ["", "soon", "-1h", "0s", "0", "1y", "h", "1 h s", True, 0, -5])
+@pytest.mark.parametrize(
+    "bad", ["", "soon", "-1h", "0s", "0", "1y", "h", "1 h s", True, 0, -5, "10", 42, 0.5]
+)
 def test_parse_duration_refuses(bad: object) -> None:
     with pytest.raises(ConfigError) as ei:
         parse_duration(bad, "store.retain")  # type: ignore[arg-type]
@@ -138,19 +137,53 @@ def test_toml_file(tmp_path: Path) -> None:
     assert c.auth.tokens == ("read:sha256:abc",)
 
 
-def test_toml_numbers_are_seconds_and_a_single_root_may_be_a_string(tmp_path: Path) -> None:
+def test_a_single_root_may_be_a_string(tmp_path: Path) -> None:
     f = write(
         tmp_path / "c.toml",
         f"""
         [store]
         root = "{tmp_path}/store"
         warehouse_roots = "{tmp_path}/wh"
-        retain = 600
+        retain = "600s"
         """,
     )
     c = config.load(f, env={})
     assert c.store.warehouse_roots == (f"{tmp_path}/wh",)
     assert c.store.retain == 600
+
+
+@pytest.mark.parametrize(
+    "line",
+    ["retain = 24", "retain = 1.5", 'retain = "24"', "interval = 3600",
+     'retain_overrides = { "sales.*" = 7 }'],
+)
+def test_a_duration_without_a_unit_in_toml_is_refused(
+    tmp_path: Path, roots: dict[str, str], line: str
+) -> None:
+    # Hive reads a bare retain in hours, TOML once read it in seconds: say which instead.
+    f = write(tmp_path / "c.toml", f"[store]\n{line}\n")
+    msg = refusal(f, env=roots)
+    assert "store." + line.split()[0] in msg
+    assert "unit" in msg and all(u in msg for u in ("90s", "15m", "24h", "7d"))
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("CMROOT_STORE_RETAIN", "24"), ("CMROOT_STORE_INTERVAL", "60"),
+     ("CMROOT_STORE_RETAIN_OVERRIDES", "sales.*=7")],
+)
+def test_a_duration_without_a_unit_in_the_environment_is_refused(
+    roots: dict[str, str], key: str, value: str
+) -> None:
+    msg = refusal(None, env={**roots, key: value})
+    assert "unit" in msg and all(u in msg for u in ("90s", "15m", "24h", "7d"))
+
+
+def test_a_bare_duration_over_a_hive_site_is_refused(tmp_path: Path) -> None:
+    # The environment is cmroot's own config, even on top of a hive-site.xml.
+    msg = refusal(hive_site(tmp_path), env={"CMROOT_STORE_RETAIN": "24"})
+    assert "CMROOT_STORE_RETAIN" in msg or "store.retain" in msg
+    assert "24h" in msg
 
 
 def test_retain_for_glob_on_db_table_first_match_wins(
@@ -266,6 +299,9 @@ def test_hive_site_bare_numbers_use_hive_units_and_enabled_false(tmp_path: Path)
     assert c.store.retain == 24 * 3600
     assert c.store.interval == 90
     assert c.store.enabled is False
+    c = config.load(hive_site(tmp_path, retain="1.5", interval=" 30 "), env={})
+    assert c.store.retain == 1.5 * 3600
+    assert c.store.interval == 30
 
 
 def test_hive_site_with_env_override(tmp_path: Path) -> None:
