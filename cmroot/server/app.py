@@ -23,6 +23,8 @@ from cmroot.exceptions import (
     BadRequest,
     ChecksumMismatch,
     CmrootError,
+    Conflict,
+    DaemonUnavailable,
     Forbidden,
     NotFound,
     PayloadTooLarge,
@@ -54,6 +56,7 @@ class Service:
         registry.register(StoreCollector(store.index))
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="cmroot-store")
         self._gc_lock = threading.Lock()
+        self.stopping = threading.Event()  # set on SIGTERM: a running sweep ends early
         # Mismatches the store finds (objects quarantined, files changed while served).
         store.reader.on_mismatch = self.metrics.checksum_mismatches.inc
 
@@ -62,14 +65,23 @@ class Service:
         return await loop.run_in_executor(self.pool, functools.partial(fn, *args, **kw))
 
     def gc(self, dry_run: bool = False) -> SweepReport:
-        """One sweep at a time, whether scheduled or asked for; metrics for real ones."""
-        with self._gc_lock:
+        """One sweep at a time, scheduled or asked for: a second one is refused (409), not
+        queued behind the first (a queued one would hold a worker for as long). A sweep
+        stops between two batches once `stopping` is set. Metrics for real sweeps."""
+        if not self._gc_lock.acquire(blocking=False):
+            raise Conflict(
+                "a retention sweep is already running", "try again once it has finished"
+            )
+        try:
             if dry_run:
-                return self.store.gc(dry_run=True)
+                return self.store.gc(dry_run=True, progress=self._stop_if_stopping)
             m = self.metrics
             try:
                 with m.gc_duration.time():
-                    report = self.store.gc()
+                    report = self.store.gc(progress=self._stop_if_stopping)
+            except DaemonUnavailable:
+                log.info("retention sweep stopped for shutdown; the next start resumes it")
+                raise
             except Exception:
                 m.gc_runs.labels("failure").inc()
                 log.exception("retention sweep failed")
@@ -89,6 +101,16 @@ class Service:
                 },
             )
             return report
+        finally:
+            self._gc_lock.release()
+
+    def _stop_if_stopping(self, removed: int) -> None:
+        """The sweep's progress hook, called after each batch is removed and forgotten:
+        raising there leaves no object half swept."""
+        if self.stopping.is_set():
+            raise DaemonUnavailable(
+                "retention sweep stopped", f"the daemon is shutting down ({removed} removed)"
+            )
 
     async def open_verified(self, path: str, checksum: str) -> Verified:
         """Store.open_verified in a worker. If this request is cancelled (the client went
