@@ -75,6 +75,9 @@ class StoreConfig:
     # (glob on "db.table", seconds); the first matching glob wins.
     retain_overrides: tuple[tuple[str, float], ...] = ()
     enabled: bool = True
+    # How long a prepared (two-phase) recycle waits for its commit before it is rolled
+    # back; its statement renews it while it runs.
+    prepare_lease: float = 300.0
 
     def retain_for(self, db: str | None, table: str | None) -> float:
         if db is not None or table is not None:
@@ -258,6 +261,7 @@ def _build(raw: dict[str, dict[str, Any]], source: str) -> Config:
             (str(k), parse_duration(v, f"store.retain_overrides.{k}")) for k, v in overrides.items()
         ),
         enabled=bool(s.get("enabled", True)),
+        prepare_lease=parse_duration(s.get("prepare_lease", "5m"), "store.prepare_lease"),
     )
     srv = raw["server"]
     try:

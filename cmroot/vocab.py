@@ -77,6 +77,7 @@ class TxState(_Name):
     """A recycle transaction in the journal."""
 
     OPEN = "open"  # files may be staged; nothing is recorded: roll back on failure
+    PREPARED = "prepared"  # staged and hashed; waits for commit or abort until its lease
     COMMITTED = "committed"  # event and entries recorded; clean-up may remain
     QUARANTINED = "quarantined"  # rollback failed: left in place, reported, retried
 

@@ -303,7 +303,7 @@ def test_an_old_index_opens_and_keeps_everything(tmp_path: Path, meta: bool) -> 
     build_old(path, OLD_SCHEMA if meta else OLD_SCHEMA_NO_META, meta)
     index = Index(str(path))
     try:
-        assert user_version(path) == VERSION == 2
+        assert user_version(path) == VERSION == 3
         # Events: every one, in id order, each with its files in their recorded order.
         assert [e.to_json() for e in index.events(0, 100)] == expected_events(meta)
         assert index.current_event_id() == len(EVENTS)
@@ -460,3 +460,24 @@ def test_two_processes_opening_an_old_index_migrate_it_once(tmp_path: Path) -> N
         assert index.event_files(len(EVENTS) + 20)[-1] == _files(2000, "big19")[-1]
     finally:
         index.close()
+
+
+def test_a_migrated_index_has_the_fresh_columns(tmp_path: Path) -> None:
+    """Every table a fresh index has, an upgraded one has, with the same columns (a
+    migration that forgot one would fail only when that column is first used)."""
+    old, fresh = tmp_path / "old.db", tmp_path / "fresh.db"
+    build_old(old, OLD_SCHEMA, True)
+    Index(str(old)).close()
+    Index(str(fresh)).close()
+
+    def columns(path: Path) -> dict[str, set[str]]:
+        db = sqlite3.connect(path)
+        try:
+            tables = [r[0] for r in db.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table'")]
+            return {t: {r[1] for r in db.execute(f"PRAGMA table_info({t})")} for t in tables}
+        finally:
+            db.close()
+
+    got, want = columns(old), columns(fresh)
+    assert {t: got.get(t) for t in want} == want

@@ -38,6 +38,70 @@ class JournalTables(Catalog, EventLog):
                 ((txid, seq, src, staged, str(m)) for seq, src, staged, m in rows),
             )
 
+    def journal_join(
+        self,
+        txid: str,
+        request: dict[str, Any],
+        dirs: Sequence[str],
+        rows: Iterable[tuple[int, str, str, str]],
+    ) -> bool:
+        """Add files to a prepared transaction (another recycle of the same statement),
+        durably, before they move. The transaction is open again until they are staged:
+        a crash meanwhile rolls back all of it, as the statement failed. False if
+        `txid` is not prepared (committed, aborted, expired or unknown)."""
+        with self.transaction() as db:
+            cur = db.execute(
+                "UPDATE txs SET state = ?, request = ?, dirs = ? WHERE txid = ? AND state = ?",
+                (TxState.OPEN.value, json.dumps(request), json.dumps(list(dirs)), txid,
+                 TxState.PREPARED.value),
+            )
+            if cur.rowcount != 1:
+                return False
+            db.executemany(
+                "INSERT INTO journal (txid, seq, source, staged, method) VALUES (?, ?, ?, ?, ?)",
+                ((txid, seq, src, staged, str(m)) for seq, src, staged, m in rows),
+            )
+        return True
+
+    def journal_prepared(
+        self, txid: str, lease: float, rows: Iterable[tuple[int, str, int]]
+    ) -> None:
+        """Every file of the transaction is staged and hashed: record (seq, checksum,
+        size) and wait for commit or abort until `lease` (a time)."""
+        with self.transaction() as db:
+            db.executemany(
+                "UPDATE journal SET checksum = ?, size = ? WHERE txid = ? AND seq = ?",
+                ((c, size, txid, seq) for seq, c, size in rows),
+            )
+            db.execute(
+                "UPDATE txs SET state = ?, lease = ? WHERE txid = ?",
+                (TxState.PREPARED.value, lease, txid),
+            )
+
+    def journal_renew(self, txid: str, lease: float) -> bool:
+        """Extend a prepared transaction's lease; False if it is not prepared."""
+        with self.transaction() as db:
+            cur = db.execute(
+                "UPDATE txs SET lease = max(coalesce(lease, 0), ?) WHERE txid = ? AND state = ?",
+                (lease, txid, TxState.PREPARED.value),
+            )
+            return cur.rowcount == 1
+
+    def tx_state(self, txid: str) -> str | None:
+        """A transaction's state (vocab.TxState), None once it left the journal."""
+        rows = self._query("SELECT state FROM txs WHERE txid = ?", (txid,))
+        return str(rows[0][0]) if rows else None
+
+    def expired_prepared(self, now: float) -> list[str]:
+        """Prepared transactions whose lease has passed, oldest first."""
+        return [
+            r[0]
+            for r in self._query(
+                "SELECT txid FROM txs WHERE state = ? AND lease < ? ORDER BY started",
+                (TxState.PREPARED.value, now),
+            )
+        ]
+
     def journal_set_method(self, txid: str, seq: int, method: str) -> None:
         """Change how a file will be staged, before it is (a rename refused with EXDEV)."""
         with self.transaction() as db:
@@ -95,24 +159,24 @@ class JournalTables(Catalog, EventLog):
     def pending(self, txid: str | None = None) -> list[PendingTx]:
         """Transactions in the journal (all, or the one named), oldest first."""
         txs = self._query(
-            "SELECT txid, started, mode, request, state, error, dirs FROM txs"
+            "SELECT txid, started, mode, request, state, error, dirs, lease FROM txs"
             + (" WHERE txid = ?" if txid is not None else "")
             + " ORDER BY started",
             (txid,) if txid is not None else (),
         )
         out = []
-        for tid, started, mode, request, state, error, dirs in txs:
+        for tid, started, mode, request, state, error, dirs, lease in txs:
             rows = [
                 JournalRow(*r)
                 for r in self._query(
-                    "SELECT txid, seq, source, staged, method, ident FROM journal"
-                    " WHERE txid = ? ORDER BY seq",
+                    "SELECT txid, seq, source, staged, method, ident, checksum, size"
+                    " FROM journal WHERE txid = ? ORDER BY seq",
                     (tid,),
                 )
             ]
             out.append(
                 PendingTx(tid, started, mode, json.loads(request), state, error,
-                          json.loads(dirs), rows)
+                          json.loads(dirs), rows, lease)
             )
         return out
 

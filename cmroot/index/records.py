@@ -89,6 +89,8 @@ class JournalRow:
     staged: str
     method: str  # vocab.Method
     ident: str | None = None
+    checksum: str | None = None
+    size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -101,3 +103,4 @@ class PendingTx:
     error: str | None
     dirs: list[str]
     rows: list[JournalRow]
+    lease: float | None = None  # a prepared transaction's deadline

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from cmroot.exceptions import ConfigError
 
-VERSION = 2
+VERSION = 3
 
 SCHEMA = """
 CREATE TABLE objects (
@@ -90,7 +90,8 @@ CREATE TABLE txs (
     request TEXT NOT NULL,
     state   TEXT NOT NULL DEFAULT 'open',   -- vocab.TxState
     error   TEXT,                           -- why a quarantined transaction is stuck
-    dirs    TEXT NOT NULL DEFAULT '[]'      -- directories whose emptied parts go at clean-up
+    dirs    TEXT NOT NULL DEFAULT '[]',     -- directories whose emptied parts go at clean-up
+    lease   REAL            -- a prepared transaction is rolled back once this has passed
 ) WITHOUT ROWID;
 CREATE TABLE journal (
     txid     TEXT NOT NULL,
@@ -99,6 +100,8 @@ CREATE TABLE journal (
     staged   TEXT NOT NULL,
     method   TEXT NOT NULL DEFAULT 'rename',  -- vocab.Method, written before the file moves
     ident    TEXT,        -- a copied source's identity: removed at clean-up only if unchanged
+    checksum TEXT,        -- of the staged bytes, once hashed (a prepared transaction)
+    size     INTEGER,
     PRIMARY KEY (txid, seq)
 ) WITHOUT ROWID;
 
@@ -207,7 +210,17 @@ def _v2(db: sqlite3.Connection) -> None:
     )
 
 
-MIGRATIONS: list[tuple[int, Callable[[sqlite3.Connection], None]]] = [(1, _v1), (2, _v2)]
+def _v3(db: sqlite3.Connection) -> None:
+    """Two-phase recycles: a prepared transaction's lease, and the checksum and size of
+    each staged file, so a commit after a restart needs no second hash."""
+    db.execute("ALTER TABLE txs ADD COLUMN lease REAL")
+    db.execute("ALTER TABLE journal ADD COLUMN checksum TEXT")
+    db.execute("ALTER TABLE journal ADD COLUMN size INTEGER")
+
+
+MIGRATIONS: list[tuple[int, Callable[[sqlite3.Connection], None]]] = [
+    (1, _v1), (2, _v2), (3, _v3)
+]
 
 
 def _columns(db: sqlite3.Connection, table: str) -> set[str]:

@@ -22,6 +22,7 @@ from cmroot.store.layout import Layout
 from cmroot.store.objects import Objects
 from cmroot.store.read import Quarantined, Reader, Verified
 from cmroot.store.recycle import (
+    Prepared,
     Progress,
     Recycler,
     RecycleRequest,
@@ -34,6 +35,7 @@ from cmroot.store.warehouse import Located, Warehouse
 from cmroot.vocab import METADATA_DROPS, RECORDABLE
 
 __all__ = [
+    "Prepared",
     "Quarantined",
     "RecycleRequest",
     "RecycleResult",
@@ -108,6 +110,31 @@ class Store:
     # -- writes ---------------------------------------------------------------------------
     def recycle(self, req: RecycleRequest, progress: Progress | None = None) -> RecycleResult:
         return self.recycler.recycle(req, progress)
+
+    def prepare(
+        self, req: RecycleRequest, lease: float | None = None, txid: str | None = None,
+        progress: Progress | None = None,
+    ) -> Prepared:
+        """First phase of a two-phase recycle: the files move into staging, unseen until
+        `commit`; `abort`, or a lease (default `store.prepare_lease`) passing without a
+        `renew`, puts them back. `txid` joins another part of the same statement."""
+        return self.recycler.prepare(
+            req, self.config.prepare_lease if lease is None else lease, txid, progress
+        )
+
+    def commit(self, txid: str) -> RecycleResult:
+        return self.recycler.commit(txid)
+
+    def abort(self, txid: str) -> list[str]:
+        return self.recycler.abort(txid)
+
+    def renew(self, txid: str, lease: float | None = None) -> float:
+        return self.recycler.renew(txid, self.config.prepare_lease if lease is None else lease)
+
+    def expire_prepared(self) -> int:
+        """Roll back prepared transactions whose lease passed (the daemon calls this on
+        a short timer)."""
+        return self.recycler.expire()
 
     def add_event(
         self,

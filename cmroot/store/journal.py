@@ -269,11 +269,13 @@ class Journal:
                 continue
             tx = found[0]
             try:
-                items = self._items(tx)
+                items = self.items_of(tx)
                 mode = Mode(tx.mode)
                 if tx.state == TxState.COMMITTED:
                     self.finish(tx.txid, mode, items, tx.dirs)
                     out.finished += 1
+                elif tx.state == TxState.PREPARED and (tx.lease or 0) >= now:
+                    continue  # its statement may still commit it: the lease decides
                 else:
                     log.warning(
                         "rolling back an interrupted recycle",
@@ -299,11 +301,13 @@ class Journal:
                       extra={"error": str(e)})
         return out
 
-    def _items(self, tx: PendingTx) -> list[Item]:
+    def items_of(self, tx: PendingTx) -> list[Item]:
+        """A journaled transaction's files, as the forward path knew them."""
         out = []
         for row in tx.rows:
             loc = self.warehouse.locate(row.source)
-            it = Item(row.seq, loc.key, loc.rel, loc.root, row.staged, Method(row.method))
+            it = Item(row.seq, loc.key, loc.rel, loc.root, row.staged, Method(row.method),
+                      row.size or 0, row.checksum)
             it.ident = row.ident
             out.append(it)
         return out

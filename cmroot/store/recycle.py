@@ -22,13 +22,15 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import socket
 import sqlite3
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from cmroot import checksum as cks
@@ -39,15 +41,16 @@ from cmroot.exceptions import (
     CmrootError,
     Conflict,
     Forbidden,
+    NotFound,
     RecycleFailed,
     StoreFull,
 )
-from cmroot.index import Entry, Event, Index
+from cmroot.index import Entry, Event, Index, PendingTx
 from cmroot.store.journal import Item, Journal, Sessions, entries_of
 from cmroot.store.layout import Layout, sync_filesystem
 from cmroot.store.objects import Objects
 from cmroot.store.warehouse import Warehouse
-from cmroot.vocab import DESTRUCTIVE, Method, Mode
+from cmroot.vocab import DESTRUCTIVE, Method, Mode, TxState
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,11 @@ class RecycleRequest:
                 raise BadRequest(f"bad {name}", f"{value!r}: give a name as a string")
         validate_partitions(self.partitions)
 
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RecycleRequest:
+        """The request as the journal recorded it (`to_json`)."""
+        return cls(**{k: v for k, v in d.items() if k in _REQUEST_FIELDS})
+
     def to_json(self) -> dict[str, Any]:
         return {
             "paths": list(self.paths),
@@ -100,6 +108,9 @@ class RecycleRequest:
             "partitions": [dict(p) for p in self.partitions],
             "location": self.location,
         }
+
+
+_REQUEST_FIELDS = frozenset(f.name for f in fields(RecycleRequest))
 
 
 def validate_partitions(partitions: object) -> None:
@@ -142,8 +153,39 @@ class Recycler:
 
     def __post_init__(self) -> None:
         self.journal = Journal(self.layout, self.index, self.objects, self.warehouse)
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
 
     def recycle(self, req: RecycleRequest, progress: Progress | None = None) -> RecycleResult:
+        req, mode, items, dirs = self._plan(req, txid := uuid.uuid4().hex, 0)
+        now = self.clock()
+        try:
+            self.journal.begin(txid, now, mode, req.to_json(), dirs, items)
+            with self.journal.sessions() as sessions:
+                self._stage_all(txid, items, sessions, progress, publish=True)
+            faults.point("recycle.staged")
+            sync_filesystem(self.layout.root)
+            faults.point("recycle.flushed")
+            event_id = self.journal.commit(txid, mode, self._event(req, items, now),
+                                           self._entries(req, items, now), items)
+        except faults.Crash:
+            raise  # an injected crash: nothing more happens, as if the process died
+        except BaseException as e:
+            self._abort(txid, req, items, now, e)
+            raise  # _abort raised already; this keeps type checkers sure
+        finally:
+            self.objects.release(txid, {it.checksum for it in items if it.checksum})
+        self._finish(txid, mode, items, dirs)
+        return RecycleResult(
+            event_id, [RecycledFile(it.key, it.checksum or "", it.size) for it in items]
+        )
+
+    def _plan(
+        self, req: RecycleRequest, txid: str, first_seq: int
+    ) -> tuple[RecycleRequest, Mode, list[Item], list[str]]:
+        """Check and confine a request and list its files (nothing moves): the request
+        with its location canonical, its mode, its items numbered from `first_seq`, and
+        the directories it names."""
         req.validate()
         if req.location is not None:
             req = replace(req, location=self.warehouse.locate(req.location).key)
@@ -157,39 +199,21 @@ class Recycler:
                     " under it instead",
                 )
         found, dirs = self.warehouse.expand(located)
-        txid = uuid.uuid4().hex
         items = [
             Item(i, f.key, f.rel, root, self.layout.staged_path(txid, i),
                  root.source.method(mode), f.size)
-            for i, (root, f) in enumerate(found)
+            for i, (root, f) in enumerate(found, first_seq)
         ]
-        now = self.clock()
+        return req, mode, items, [d.key for d in dirs]
+
+    def _finish(self, txid: str, mode: Mode, items: Sequence[Item], dirs: Sequence[str]) -> None:
         try:
-            self.journal.begin(txid, now, mode, req.to_json(), [d.key for d in dirs], items)
-            with self.journal.sessions() as sessions:
-                self._stage_all(txid, items, sessions, progress)
-            faults.point("recycle.staged")
-            sync_filesystem(self.layout.root)
-            faults.point("recycle.flushed")
-            event_id = self.journal.commit(txid, mode, self._event(req, items, now),
-                                           self._entries(req, items, now), items)
-        except faults.Crash:
-            raise  # an injected crash: nothing more happens, as if the process died
-        except BaseException as e:
-            self._abort(txid, req, items, now, e)
-            raise  # _abort raised already; this keeps type checkers sure
-        finally:
-            self.objects.release(txid, {it.checksum for it in items if it.checksum})
-        try:
-            self.journal.finish(txid, mode, items, [d.key for d in dirs])
+            self.journal.finish(txid, mode, items, dirs)
         except (OSError, CmrootError) as e:
             # Committed: nothing is lost. The record stays and the next open finishes it.
             self.index.quarantine_tx(txid, f"clean-up: {type(e).__name__}: {e}")
             log.warning("clean-up after a recycle failed; finished at next start",
                         extra={"txid": txid, "error": str(e)})
-        return RecycleResult(
-            event_id, [RecycledFile(it.key, it.checksum or "", it.size) for it in items]
-        )
 
     def _abort(
         self, txid: str, req: RecycleRequest, items: list[Item], now: float, cause: BaseException
@@ -236,10 +260,12 @@ class Recycler:
 
     # -- stage, hash, publish -------------------------------------------------------------
     def _stage_all(
-        self, txid: str, items: list[Item], sessions: Sessions, progress: Progress | None
+        self, txid: str, items: list[Item], sessions: Sessions, progress: Progress | None,
+        publish: bool,
     ) -> None:
-        """Stage, hash and publish every file, a few threads at once. Work is handed out
-        in batches: per-file task overhead would otherwise rival the work on small files."""
+        """Stage, hash and (with `publish`) publish every file, a few threads at once.
+        Work is handed out in batches: per-file task overhead would otherwise rival the
+        work on small files."""
         failed = threading.Event()
         done = 0
         done_lock = threading.Lock()
@@ -250,7 +276,7 @@ class Recycler:
                 if failed.is_set():
                     return
                 try:
-                    self._stage(txid, it, sessions)
+                    self._stage(txid, it, sessions, publish)
                 except BaseException:
                     failed.set()
                     raise
@@ -274,7 +300,7 @@ class Recycler:
         for f in futures:
             f.result()
 
-    def _stage(self, txid: str, it: Item, sessions: Sessions) -> None:
+    def _stage(self, txid: str, it: Item, sessions: Sessions, publish: bool) -> None:
         session = sessions.open(it.root)
         if it.method == Method.RENAME:
             try:
@@ -293,9 +319,14 @@ class Recycler:
             it.checksum, it.ident = session.copy_out(it.rel, it.staged)
             st = os.lstat(it.staged)
         it.size = st.st_size
+        if publish:
+            self._publish(txid, it, st.st_nlink)
+
+    def _publish(self, txid: str, it: Item, nlink: int) -> None:
+        assert it.checksum is not None
         # A renamed file with other names in the warehouse must not become the object
         # itself: writes through those names would change the stored bytes.
-        self.objects.publish(txid, it.checksum, it.staged, private=st.st_nlink > 1)
+        self.objects.publish(txid, it.checksum, it.staged, private=nlink > 1)
         faults.point("recycle.file_published")
 
     # -- what a commit records ------------------------------------------------------------
@@ -316,11 +347,223 @@ class Recycler:
             location=req.location,
         )
 
+    # -- two-phase: prepare, then commit or abort ------------------------------------------
+    def prepare(
+        self, req: RecycleRequest, lease: float, txid: str | None = None,
+        progress: Progress | None = None,
+    ) -> Prepared:
+        """Stage and hash the files of `req` (nothing is published or recorded: no one
+        sees them yet) and hold them until `commit` or `abort`, or until `lease` seconds
+        pass without a `renew`. With `txid`, the files join that prepared transaction
+        (another recycle of the same statement); if they cannot, the whole transaction
+        is rolled back, every earlier part included: a statement is one unit."""
+        until = self.clock() + _lease(lease)
+        if txid is None:
+            txid = uuid.uuid4().hex
+            req, mode, items, dirs = self._plan(req, txid, 0)
+            with self._tx_lock(txid):
+                try:
+                    self.journal.begin(txid, self.clock(), mode, req.to_json(), dirs, items)
+                except faults.Crash:
+                    raise
+                except BaseException as e:
+                    self._abort(txid, req, items, self.clock(), e)
+                    raise
+                return self._stage_prepared(txid, req, mode, [], items, until, progress)
+        with self._tx_lock(txid):
+            tx = self._prepared(txid)
+            earlier = self.journal.items_of(tx)
+            merged = RecycleRequest.from_json(tx.request)
+            try:
+                req, mode, items, dirs = self._plan(
+                    req, txid, 1 + max((it.seq for it in earlier), default=-1)
+                )
+                merged = _merge(merged, req)
+                if not self.index.journal_join(
+                    txid, merged.to_json(), list(dict.fromkeys([*tx.dirs, *dirs])),
+                    ((it.seq, it.key, it.staged, it.method) for it in items),
+                ):
+                    raise _gone(txid)
+            except BaseException as e:
+                self._abort(txid, merged, earlier, self.clock(), e)
+                raise
+            return self._stage_prepared(txid, merged, mode, earlier, items, until, progress)
+
+    def _stage_prepared(
+        self, txid: str, req: RecycleRequest, mode: Mode, earlier: list[Item],
+        items: list[Item], until: float, progress: Progress | None,
+    ) -> Prepared:
+        try:
+            with self.journal.sessions() as sessions:
+                self._stage_all(txid, items, sessions, progress, publish=False)
+            self.index.journal_prepared(
+                txid, until, ((it.seq, it.checksum or "", it.size) for it in items)
+            )
+        except faults.Crash:
+            raise
+        except BaseException as e:
+            self._abort(txid, req, [*earlier, *items], self.clock(), e)
+            raise
+        faults.point("recycle.prepared")
+        every = [*earlier, *items]
+        return Prepared(
+            txid, [RecycledFile(it.key, it.checksum or "", it.size) for it in every], until
+        )
+
+    def commit(self, txid: str) -> RecycleResult:
+        """Publish a prepared transaction's files and record them with their one event."""
+        with self._tx_lock(txid):
+            tx = self._prepared(txid)
+            req, mode = RecycleRequest.from_json(tx.request), Mode(tx.mode)
+            items = self.journal.items_of(tx)
+            now = self.clock()
+            try:
+                for it in items:
+                    self._publish(txid, it, os.lstat(it.staged).st_nlink)
+                sync_filesystem(self.layout.root)
+                faults.point("recycle.flushed")
+                event_id = self.journal.commit(txid, mode, self._event(req, items, now),
+                                               self._entries(req, items, now), items)
+            except faults.Crash:
+                raise
+            except BaseException as e:
+                self._abort(txid, req, items, now, e)
+                raise
+            finally:
+                self.objects.release(txid, {it.checksum for it in items if it.checksum})
+            self._finish(txid, mode, items, tx.dirs)
+        return RecycleResult(
+            event_id, [RecycledFile(it.key, it.checksum or "", it.size) for it in items]
+        )
+
+    def abort(self, txid: str) -> list[str]:
+        """Put every file of a prepared transaction back. Returns the displaced paths
+        (re-created by a writer meanwhile: their old bytes are kept, with no event)."""
+        with self._tx_lock(txid):
+            return self._roll_back(self._prepared(txid))
+
+    def renew(self, txid: str, lease: float) -> float:
+        """Extend a prepared transaction's lease; returns its new deadline."""
+        until = self.clock() + _lease(lease)
+        with self._tx_lock(txid):
+            if not self.index.journal_renew(txid, until):
+                raise _gone(txid)
+        return until
+
+    def expire(self) -> int:
+        """Roll back the prepared transactions whose lease has passed (the statement that
+        prepared them died or hung). Returns how many; one that fails is quarantined."""
+        n = 0
+        for txid in self.index.expired_prepared(self.clock()):
+            with self._tx_lock(txid):
+                found = self.index.pending(txid)
+                if not found or found[0].state != TxState.PREPARED:
+                    continue  # committed or aborted while we waited
+                tx = found[0]
+                if tx.lease is not None and tx.lease >= self.clock():
+                    continue  # renewed meanwhile
+                log.warning("prepared recycle not committed within its lease: rolled back",
+                            extra={"txid": txid, "files": len(tx.rows)})
+                try:
+                    self._roll_back(tx)
+                except CmrootError as e:
+                    log.error("expired prepared recycle could not be rolled back",
+                              extra={"txid": txid, "error": str(e)})
+                    continue
+                n += 1
+        return n
+
+    def _roll_back(self, tx: PendingTx) -> list[str]:
+        req = RecycleRequest.from_json(tx.request)
+        retain = self.config.retain_for(req.db, req.table)
+        try:
+            return self.journal.rollback(
+                tx.txid, self.journal.items_of(tx), tx.request, self.clock(), retain
+            )
+        except Exception as e:
+            self.index.quarantine_tx(tx.txid, f"rollback: {type(e).__name__}: {e}")
+            raise RecycleFailed(
+                "prepared recycle could not be rolled back",
+                f"{e}: transaction {tx.txid} is quarantined with its files kept in the"
+                " store's staging area; nothing is lost and no event was recorded. Run"
+                " `cmroot fsck` for details; it is retried at the next start",
+            ) from e
+
+    def _prepared(self, txid: str) -> PendingTx:
+        found = self.index.pending(txid) if _TXID.fullmatch(txid) else []
+        if not found or found[0].state != TxState.PREPARED:
+            raise _gone(txid)
+        return found[0]
+
+    @contextmanager
+    def _tx_lock(self, txid: str) -> Iterator[None]:
+        """One operation at a time per transaction (commit racing abort, a join racing
+        the expiry timer): the later one finds the transaction gone."""
+        with self._locks_lock:
+            lock = self._locks.setdefault(txid, threading.Lock())
+        with lock:
+            try:
+                yield
+            finally:
+                with self._locks_lock:
+                    if self.index.tx_state(txid) is None:
+                        self._locks.pop(txid, None)
+
     def recover(self) -> int:
         """Settle what a crash left (see Journal.recover). Returns how many transactions
         were rolled back or finished."""
         r = self.journal.recover(self.config.retain_for, self.clock())
         return r.rolled_back + r.finished
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A prepared transaction: every file staged so far (all its parts), and when it is
+    rolled back unless committed or renewed."""
+
+    txid: str
+    files: list[RecycledFile]
+    expires: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"txid": self.txid, "files": [f.to_json() for f in self.files],
+                "expires": self.expires}
+
+
+MAX_LEASE = 86400.0  # a statement holding files away for over a day is a stuck one
+_TXID = re.compile(r"[0-9a-f]{32}")
+
+
+def _lease(seconds: float) -> float:
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not 1 <= seconds <= MAX_LEASE
+    ):
+        raise BadRequest("bad lease", f"{seconds!r}: give seconds between 1 and {MAX_LEASE:.0f}")
+    return float(seconds)
+
+
+def _gone(txid: str) -> NotFound:
+    return NotFound(
+        "no such prepared transaction",
+        f"{txid[:64]!r} is not prepared: it was committed, aborted or rolled back when its"
+        " lease expired (or never existed); run the statement again",
+    )
+
+
+def _merge(first: RecycleRequest, more: RecycleRequest) -> RecycleRequest:
+    """The request of a transaction after one more part of its statement joined it."""
+    for name in ("mode", "op", "db", "table", "purge"):
+        if getattr(first, name) != getattr(more, name):
+            raise Conflict(
+                "a transaction is one statement",
+                f"{name} {getattr(more, name)!r} differs from the transaction's"
+                f" {getattr(first, name)!r}: prepare another transaction for it",
+            )
+    partitions = [dict(p) for p in first.partitions]
+    partitions += [dict(p) for p in more.partitions if dict(p) not in partitions]
+    return replace(first, paths=[*first.paths, *more.paths], partitions=partitions)
 
 
 # A source that vanished, or whose path changed shape, between listing and staging.
