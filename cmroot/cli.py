@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -24,43 +25,91 @@ import fsspec
 from cmroot import __version__
 from cmroot import checksum as cks
 from cmroot import config as cfg
-from cmroot.exceptions import BadRequest, ChecksumMismatch, CmrootError, NotFound, StoreLocked
-from cmroot.logs import setup_logging
+from cmroot.exceptions import (
+    BadRequest,
+    ChecksumMismatch,
+    CmrootError,
+    ConfigError,
+    NotFound,
+    StoreLocked,
+)
+from cmroot.logs import setup_cli_logging, setup_logging
 from cmroot.progress import Progress
 from cmroot.store import RecycleRequest, Store
+from cmroot.vocab import DESTRUCTIVE
+
+_OPS = ", ".join(sorted(DESTRUCTIVE))
 
 log = logging.getLogger("cmroot.cli")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line that says where the help is, like every other error."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"cmroot: {message} (see `{self.prog} --help`)\n")
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number: write 1 or more") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text}: write 1 or more")
+    return n
+
+
+def _port(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: write 0 to 65535")
+    return n
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cmroot", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="cmroot", description=__doc__.split("\n\n")[0])
     p.add_argument("--version", action="version", version=f"cmroot {__version__}")
     # Global options work before or after the verb; SUPPRESS keeps a subparser from
     # overwriting a value given before it, and `_COMMON_DEFAULTS` fills what is left.
-    common = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    common = _Parser(add_help=False, argument_default=argparse.SUPPRESS)
     common.add_argument(
         "--config",
-        help="TOML config or hive-site.xml (default: $CMROOT_CONFIG, /etc/cmroot/cmroot.toml)",
+        help="TOML config or hive-site.xml (default: $CMROOT_CONFIG, /etc/cmroot/cmroot.toml, "
+        "then the embedded defaults)",
     )
     common.add_argument("--json", action="store_true", help="machine-readable output")
     common.add_argument("--url", help="act through the daemon at this URL (or $CMROOT_URL)")
-    common.add_argument("--token", help="bearer token for the daemon (or $CMROOT_TOKEN)")
+    common.add_argument(
+        "--token-file", help="file holding the bearer token for the daemon (or $CMROOT_TOKEN)"
+    )
+    common.add_argument(
+        "--token", help="bearer token; visible to every local user in `ps`: prefer --token-file"
+    )
     common.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    common.add_argument(
+        "--log-json", action="store_true", help="log lines as JSON on stderr (as `serve` does)"
+    )
     for action in common._actions:
         p._add_action(action)
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     s = sub.add_parser("serve", parents=[common], help="run the daemon in the foreground")
     s.add_argument("--host")
-    s.add_argument("--port", type=int)
+    s.add_argument("--port", type=_port)
 
     s = sub.add_parser("recycle", parents=[common], help="move (or copy) files into the store")
     s.add_argument("paths", nargs="+")
     s.add_argument("--mode", choices=["move", "copy"], default="move")
     s.add_argument("--purge", action="store_true", help="delete, not trash, at expiry")
-    s.add_argument("--op", default="DELETE")
+    s.add_argument("--op", help=f"what removed the files (required): {_OPS}")
     s.add_argument("--db")
-    s.add_argument("--table")
+    s.add_argument(
+        "--table", help="label the files as this table's: the paths must all be in one table"
+    )
     s.add_argument("--partition", action="append", default=[], metavar="K=V[,K=V]")
 
     s = sub.add_parser("resolve", parents=[common], help="where are the bytes of PATH@CHECKSUM")
@@ -77,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("ls", parents=[common], help="list entries, newest first")
     s.add_argument("--db")
     s.add_argument("--table")
-    s.add_argument("--limit", type=int, default=100)
+    s.add_argument("--limit", type=_count, default=100)
     s.add_argument("--cursor", type=int)
 
     s = sub.add_parser("gc", parents=[common], help="run a retention sweep now")
@@ -103,6 +152,12 @@ def _parser() -> argparse.ArgumentParser:
         help="`--conf k=v` lines (default) or spark-defaults.conf lines",
     )
     s.add_argument("--fail-open", action="store_true", help="delete anyway if cmroot is down")
+    s.add_argument(
+        "--warehouse-dir",
+        metavar="DIR",
+        help="spark.sql.warehouse.dir to print (default: the first local warehouse root, "
+        "unless $SPARK_CONF_DIR/spark-defaults.conf sets one)",
+    )
 
     s = sub.add_parser("repl", parents=[common], help="replicate a database or table on Spark")
     repl = s.add_subparsers(dest="repl_verb", required=True, metavar="ACTION")
@@ -114,7 +169,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--from", dest="from_id", type=int, metavar="N",
                    help="incremental: the events after N (the id `repl status` printed)")
     r.add_argument("--to", dest="to_id", type=int, metavar="M", help="up to event M")
-    r.add_argument("--limit", type=int, metavar="K", help="at most K events")
+    r.add_argument("--limit", type=_count, metavar="K", help="at most K events")
     r.add_argument("--to-dir", required=True, metavar="URI", help="where to write the dump")
     r.add_argument("--with", dest="with_", action="append", default=[], metavar="K=V",
                    help=with_help)
@@ -141,14 +196,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     for key, default in _common_defaults().items():
         if not hasattr(args, key):
             setattr(args, key, default)
-    setup_logging()
+    # The daemon logs JSON for journald; a verb at a terminal logs only warnings, as text.
+    if args.verb == "serve" or args.log_json or os.environ.get("CMROOT_LOG_LEVEL"):
+        setup_logging()
+    else:
+        setup_cli_logging()
     try:
+        args.token = _token_of(args)
         return _VERBS[args.verb](args)
     except CmrootError as e:
         _fail(args, e.message, e.detail, type(e).__name__)
         return 2 if e.status < 500 else 1
+    except OSError as e:
+        _fail(args, _os_message(e), "check the path and its permissions", type(e).__name__)
+        return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # a bug: still one line, the traceback is for whoever asks
+        log.debug("unexpected error", exc_info=True)
+        _fail(
+            args,
+            f"unexpected {type(e).__name__}: {e}",
+            "rerun with CMROOT_LOG_LEVEL=debug for the traceback, and report it",
+            type(e).__name__,
+        )
+        return 1
 
 
 def _common_defaults() -> dict[str, Any]:
@@ -156,9 +228,41 @@ def _common_defaults() -> dict[str, Any]:
         "config": None,
         "json": False,
         "quiet": False,
+        "log_json": False,
         "url": os.environ.get("CMROOT_URL"),
-        "token": os.environ.get("CMROOT_TOKEN"),
+        "token": None,
+        "token_file": None,
     }
+
+
+def _token_of(args: argparse.Namespace) -> str | None:
+    """--token (warned about: `ps` shows it), else --token-file, else $CMROOT_TOKEN."""
+    if args.token:
+        log.warning(
+            "--token on the command line is visible to every local user (ps, /proc); "
+            "use --token-file FILE or $CMROOT_TOKEN instead"
+        )
+        return str(args.token)
+    if args.token_file:
+        try:
+            with open(args.token_file) as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise ConfigError(
+                f"cannot read --token-file {args.token_file}", f"{e.strerror}: fix the path"
+            ) from None
+        if not token:
+            raise ConfigError(
+                f"--token-file {args.token_file} is empty",
+                "write the token from `cmroot token create` into it",
+            )
+        return token
+    return os.environ.get("CMROOT_TOKEN") or None
+
+
+def _os_message(e: OSError) -> str:
+    where = f": {e.filename}" if e.filename else ""
+    return f"{e.strerror or e}{where}"
 
 
 def _fail(args: argparse.Namespace, message: str, detail: str, kind: str) -> None:
@@ -169,7 +273,23 @@ def _fail(args: argparse.Namespace, message: str, detail: str, kind: str) -> Non
 
 
 def _load(args: argparse.Namespace) -> cfg.Config:
-    return cfg.load(args.config or cfg.default_config_path())
+    path = args.config or cfg.default_config_path()
+    if not args.config and path and not os.path.isfile(path):
+        raise ConfigError(
+            f"$CMROOT_CONFIG names {path}, which is not a file",
+            "fix or unset CMROOT_CONFIG, or pass --config FILE",
+        )
+    return cfg.load(path)
+
+
+def _open_store(config: cfg.Config, readonly: bool = False) -> Store:
+    try:
+        return Store.open(config, readonly=readonly)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot open the store at {config.store.root}",
+            f"{_os_message(e)}; check store.root in {config.source} and its permissions",
+        ) from None
 
 
 def _out(args: argparse.Namespace, data: Any, human: Callable[[Any], str]) -> None:
@@ -185,7 +305,7 @@ def _backend(args: argparse.Namespace, readonly: bool = False) -> Iterator[Any]:
         yield _client(args.url, args.token)
         return
     try:
-        store = Store.open(config, readonly=readonly)
+        store = _open_store(config, readonly)
     except StoreLocked:
         log.info(
             "store in use by the daemon; acting through it", extra={"url": config.server.base_url}
@@ -240,11 +360,29 @@ class _Direct:
 def _serve(args: argparse.Namespace) -> int:
     from cmroot.server.main import serve
 
-    return serve(_load(args), host=args.host, port=args.port)
+    config = _load(args)
+    try:
+        return serve(config, host=args.host, port=args.port)
+    except OSError as e:
+        if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            raise
+        host = args.host or config.server.host
+        port = config.server.port if args.port is None else args.port
+        raise ConfigError(
+            f"cannot listen on {host}:{port}: {e.strerror}",
+            "stop what listens there or pass another --port/--host (server.port, server.host)",
+        ) from None
 
 
 def _recycle(args: argparse.Namespace) -> int:
+    if args.op is None:
+        raise BadRequest("recycle needs --op", f"say what removed the files: --op {_OPS}")
+    if args.op not in DESTRUCTIVE:
+        raise BadRequest(f"unknown op {args.op!r}", f"use one of {_OPS}")
     partitions = [_kv(p) for p in args.partition]
+    config = _load(args)
+    if args.table:
+        _one_table(args.paths, config.store.warehouse_roots)
     with _backend(args) as b:
         res = b.recycle(
             list(args.paths),
@@ -265,6 +403,39 @@ def _recycle(args: argparse.Namespace) -> int:
         ),
     )
     return 0
+
+
+def _one_table(paths: Sequence[str], roots: Sequence[str]) -> None:
+    """Refuse a recycle labelled as one table whose paths span several (Hive layout:
+    `<root>/<db>.db/<table>`, or `<root>/<table>` for `default`). Refused rather than
+    warned about: replicas replay the event, so files filed under the wrong table are
+    dropped or restored with it there, long after a warning scrolled by."""
+    tables: dict[str, str] = {}
+    for raw in paths:
+        local = cfg.local_path(raw)
+        if local is None:
+            continue  # an object store has no directories to tell tables apart
+        path = os.path.normpath(os.path.abspath(local))
+        for root in (r for r in roots if cfg.local_path(r) is not None):
+            rel = os.path.relpath(path, root).split(os.sep)
+            if rel[0] in (".", ".."):
+                continue  # the root itself is refused by the store; elsewhere, another root
+            if rel[0].endswith(".db") and len(rel) < 2:
+                raise BadRequest(
+                    "one table per recycle",
+                    f"{raw} is database {rel[0][:-3]!r}, with all its tables: "
+                    "name the table's directory, or drop --table",
+                )
+            table = os.path.join(root, *rel[: 2 if rel[0].endswith(".db") else 1])
+            tables.setdefault(table, raw)
+            break
+    if len(tables) > 1:
+        a, b = list(tables)[:2]
+        raise BadRequest(
+            "one table per recycle",
+            f"{tables[a]} and {tables[b]} are in different tables ({a}, {b}): "
+            "recycle each table with its own --table",
+        )
 
 
 def _kv(text: str) -> dict[str, str]:
@@ -418,7 +589,7 @@ def _fsck(args: argparse.Namespace) -> int:
     """Exit 0: clean (or every finding repaired); 1: findings (without --repair), or
     findings no repair fixes (unreadable files, troubled recycle transactions)."""
     config = _load(args)
-    with Store.open(config) as store:
+    with _open_store(config) as store:
         report = store.fsck(args.repair, Progress("fsck: shards checked", not args.quiet))
     _out(args, report.to_json(), _fsck_text)
     if report.clean:
@@ -492,10 +663,27 @@ def _token(args: argparse.Namespace) -> int:
 def _spark_conf(args: argparse.Namespace) -> int:
     from cmroot import spark
 
-    url = args.url or _load(args).server.base_url
+    config = _load(args)
+    url = args.url or config.server.base_url
     conf = spark.spark_conf(url, args.token, fail_open=args.fail_open)
+    warehouse = args.warehouse_dir or _spark_warehouse(config)
+    if warehouse:
+        conf["spark.sql.warehouse.dir"] = warehouse
     _out(args, conf, lambda c: "\n".join(spark.format_conf(c, args.format)))
     return 0
+
+
+def _spark_warehouse(config: cfg.Config) -> str | None:
+    """The first local warehouse root, unless spark-defaults.conf already sets one: Spark's
+    own default (`./spark-warehouse`) is outside every root, so the hook would refuse it."""
+    home = os.environ.get("SPARK_HOME")
+    conf_dir = os.environ.get("SPARK_CONF_DIR") or (home and os.path.join(home, "conf"))
+    if conf_dir:
+        defaults = os.path.join(conf_dir, "spark-defaults.conf")
+        with contextlib.suppress(OSError), open(defaults) as f:
+            if any(line.split()[:1] == ["spark.sql.warehouse.dir"] for line in f):
+                return None
+    return next((p for r in config.store.warehouse_roots if (p := cfg.local_path(r))), None)
 
 
 def _repl(args: argparse.Namespace) -> int:
@@ -512,10 +700,16 @@ def _repl(args: argparse.Namespace) -> int:
             spark = session("cmroot repl dump", conf, hook=(url, token))
         progress = _ReplProgress(not args.quiet)
         with contextlib.closing(_client(url, token)) as client:
-            where, header = repl.dump(
-                client, db, table or None, args.to_dir, args.from_id, args.to_id, args.limit,
-                spark, progress,
-            )
+            try:
+                where, header = repl.dump(
+                    client, db, table or None, args.to_dir, args.from_id, args.to_id,
+                    args.limit, spark, progress,
+                )
+            except OSError as e:
+                raise ConfigError(
+                    f"cannot write the dump to {args.to_dir}",
+                    f"{_os_message(e)}: give a --to-dir you can create and write",
+                ) from None
         _out(
             args,
             {"dump_dir": where, "last_event_id": header.last_event_id, "kind": header.kind,

@@ -1,4 +1,5 @@
-"""Structured logs: one JSON object per line on stderr (journald keeps stderr)."""
+"""Structured logs: one JSON object per line on stderr (journald keeps stderr) for the
+daemon and whoever asks; plain warnings for a person running a CLI verb."""
 
 from __future__ import annotations
 
@@ -35,3 +36,13 @@ def setup_logging(level: str | None = None) -> None:
     root.setLevel((level or os.environ.get("CMROOT_LOG_LEVEL", "INFO")).upper())
     # The scheduler logs every run at info; its warnings (missed runs) still show.
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
+
+
+def setup_cli_logging() -> None:
+    """Warnings and errors only, as `cmroot: warning: ...` lines: what a person at a
+    terminal reads. `--log-json` or $CMROOT_LOG_LEVEL switch to `setup_logging`."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("cmroot: %(levelname)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)

@@ -178,7 +178,8 @@ def test_cli_errors_exit_codes(daemon: Daemon) -> None:
     assert p.returncode == 2 and b"PATH@CHECKSUM" in p.stderr
     p = cmroot("--url", d.url, "--token", d.tokens["admin"], "get", p0, "0" * 32)
     assert p.returncode == 2 and b"no such file" in p.stderr
-    p = cmroot("--url", d.url, "--token", d.tokens["admin"], "recycle", p0, "--partition", "oops")
+    p = cmroot("--url", d.url, "--token", d.tokens["admin"], "recycle", p0, "--op", "DELETE",
+               "--partition", "oops")
     assert p.returncode == 2 and b"--partition" in p.stderr
     assert tree(d.warehouse) == before
     # a daemon that is not there: exit 1, says so
@@ -309,3 +310,24 @@ def test_console_script(daemon: Daemon) -> None:
     )
     assert out["dry_run"] is True
     assert os.access(exe, os.X_OK)
+
+
+def test_spark_conf_points_spark_at_the_first_local_warehouse_root(tmp_path: Path) -> None:
+    # Spark's own default (./spark-warehouse) is outside every root: the hook would get 403.
+    pytest.importorskip("pyspark")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        f'[store]\nroot = "{tmp_path}/store"\n'
+        f'warehouse_roots = ["s3://bucket/wh", "{tmp_path}/wh", "{tmp_path}/wh2"]\n'
+    )
+
+    def conf(*extra: str, env: dict[str, str] | None = None) -> dict[str, str]:
+        p = cmroot("--config", str(cfg), "--json", "spark-conf", *extra, env=env)
+        return dict(ok_json(p))
+
+    assert conf()["spark.sql.warehouse.dir"] == f"{tmp_path}/wh"
+    assert conf("--warehouse-dir", "/elsewhere")["spark.sql.warehouse.dir"] == "/elsewhere"
+    # One the user set in spark-defaults.conf stands: no line overrides it.
+    (tmp_path / "sconf").mkdir()
+    (tmp_path / "sconf/spark-defaults.conf").write_text("spark.sql.warehouse.dir /mine\n")
+    assert "spark.sql.warehouse.dir" not in conf(env={"SPARK_CONF_DIR": str(tmp_path / "sconf")})
