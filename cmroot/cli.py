@@ -25,6 +25,7 @@ import fsspec
 from cmroot import __version__
 from cmroot import checksum as cks
 from cmroot import config as cfg
+from cmroot.client import Client, Resolutions, Resolved
 from cmroot.exceptions import (
     BadRequest,
     ChecksumMismatch,
@@ -36,6 +37,7 @@ from cmroot.exceptions import (
 from cmroot.logs import setup_cli_logging, setup_logging
 from cmroot.progress import Progress
 from cmroot.store import RecycleRequest, Store
+from cmroot.store.recycle import RecycleResult
 from cmroot.vocab import DESTRUCTIVE
 
 _OPS = ", ".join(sorted(DESTRUCTIVE))
@@ -318,9 +320,7 @@ def _backend(args: argparse.Namespace, readonly: bool = False) -> Iterator[Any]:
         store.close()
 
 
-def _client(url: str, token: str | None) -> Any:
-    from cmroot.client import Client
-
+def _client(url: str, token: str | None) -> Client:
     return Client(url, token)
 
 
@@ -332,11 +332,11 @@ class _Direct:
 
     def recycle(
         self, paths: list[str], progress: Callable[[int, int], None] | None = None, **kw: Any
-    ) -> dict[str, Any]:
-        return self.store.recycle(RecycleRequest(paths=paths, **kw), progress).to_json()
+    ) -> RecycleResult:
+        return self.store.recycle(RecycleRequest(paths=paths, **kw), progress)
 
-    def resolve(self, files: list[dict[str, str]]) -> dict[str, Any]:
-        return {"files": [r.to_json() for r in self.store.resolve(files)]}
+    def resolve(self, files: list[dict[str, str]]) -> Resolutions:
+        return Resolutions([Resolved(**r.to_json()) for r in self.store.resolve(files)])
 
     def get(self, path: str, checksum: str, out: Any) -> int:
         """Copy from the descriptor the store verified, never by reopening the path."""
@@ -393,7 +393,7 @@ def _recycle(args: argparse.Namespace) -> int:
             table=args.table,
             partitions=partitions,
             progress=Progress("recycled files", not args.quiet),
-        )
+        ).to_json()
     _out(
         args,
         res,
@@ -455,7 +455,7 @@ def _resolve(args: argparse.Namespace) -> int:
     if not files:
         raise BadRequest("nothing to resolve", "give PATH@CHECKSUM arguments or --from-file")
     with _backend(args, readonly=True) as b:
-        res = b.resolve(files)
+        res = b.resolve(files).to_json()
     _out(
         args,
         res,

@@ -6,16 +6,87 @@ from __future__ import annotations
 
 import http.client
 import json
-import shutil
 import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from typing import IO, Any
 from urllib.parse import urlencode, urlsplit
 
-from cmroot.exceptions import CmrootError, DaemonUnavailable, for_status
+import xxhash
+
+from cmroot.exceptions import (
+    ChecksumMismatch,
+    CmrootError,
+    DaemonUnavailable,
+    PayloadTooLarge,
+    for_status,
+)
+
+# The daemon's limit on pairs per resolve (cmroot.store.resolve.MAX_PAIRS, not imported:
+# executors load this module without the store).
+MAX_RESOLVE = 100_000
+_CHUNK = 1 << 20
+
+
+class _Answer:
+    """Typed fields, still readable by their JSON names (`res["files"]`), for callers
+    written when the client answered with dicts."""
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
+
+
+@dataclass(frozen=True)
+class FileRef(_Answer):
+    """A file as an event or a recycle names it."""
+
+    path: str
+    checksum: str
+    size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Recycled(_Answer):
+    """The answer of POST /v1/recycle: the event and the files it moved."""
+
+    event_id: int
+    files: list[FileRef]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"event_id": self.event_id, "files": [f.to_json() for f in self.files]}
+
+
+@dataclass(frozen=True)
+class Resolved(_Answer):
+    """Where the bytes of one (path, checksum) are: status original, cmroot or missing."""
+
+    path: str
+    checksum: str
+    status: str
+    location: str | None = None
+    size: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Resolutions(_Answer):
+    """The answer of POST /v1/resolve: one `Resolved` per pair asked, in order."""
+
+    files: list[Resolved]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"files": [f.to_json() for f in self.files]}
 
 
 class Client:
@@ -41,7 +112,7 @@ class Client:
     # -- API -------------------------------------------------------------------------------
     def recycle(
         self, paths: list[str], progress: Callable[[int, int], None] | None = None, **kw: Any
-    ) -> dict[str, Any]:
+    ) -> Recycled:
         """POST /v1/recycle; kw: mode, purge, op, db, table, partitions, location."""
         body = {"paths": paths, **{k: v for k, v in kw.items() if v is not None}}
         try:
@@ -52,19 +123,53 @@ class Client:
                 f"{e.detail}; the request is wholly applied or wholly rolled back when the "
                 "daemon restarts: check GET /v1/entries or resolve the paths before retrying",
             ) from e
+        out = Recycled(
+            int(res["event_id"]),
+            [FileRef(f["path"], f["checksum"], int(f["size"])) for f in res["files"]],
+        )
         if progress:
-            progress(len(res["files"]), len(res["files"]))
-        return res
+            progress(len(out.files), len(out.files))
+        return out
 
-    def resolve(self, files: list[dict[str, str]]) -> dict[str, Any]:
-        # A POST that changes nothing: safe to retry on a stale keep-alive connection.
-        return self._json("POST", "/v1/resolve", {"files": files}, retry=True)
+    def resolve(self, files: list[dict[str, str]]) -> Resolutions:
+        """POST /v1/resolve, one answer per pair in order; any number of pairs: batches
+        above the daemon's limit, or too large for its body limit, are split."""
+        out: list[Resolved] = []
+        for i in range(0, len(files), MAX_RESOLVE):
+            out += self._resolve(files[i : i + MAX_RESOLVE])
+        return Resolutions(out)
+
+    def _resolve(self, files: list[dict[str, str]]) -> list[Resolved]:
+        try:
+            # A POST that changes nothing: safe to retry on a stale keep-alive connection.
+            res = self._json("POST", "/v1/resolve", {"files": files}, retry=True)
+        except PayloadTooLarge:
+            if len(files) < 2:
+                raise
+            half = len(files) // 2
+            return self._resolve(files[:half]) + self._resolve(files[half:])
+        return [
+            Resolved(f["path"], f["checksum"], f["status"], f.get("location"), f.get("size"))
+            for f in res["files"]
+        ]
 
     def get(self, path: str, checksum: str, out: IO[bytes]) -> int:
-        """Write the bytes of (path, checksum) to `out`; returns the byte count."""
+        """Write the bytes of (path, checksum) to `out`, hashing them as they are written;
+        returns the byte count written. Bytes that do not hash to `checksum` (damaged on the
+        way) raise ChecksumMismatch: the caller discards what was written."""
+        h = xxhash.xxh3_128()
+        n = 0
         with self.open(path, checksum) as resp:
-            n = int(resp.getheader("Content-Length") or 0)
-            shutil.copyfileobj(resp, out, 1 << 20)
+            while chunk := resp.read(_CHUNK):
+                out.write(chunk)
+                h.update(chunk)
+                n += len(chunk)
+        if h.hexdigest() != checksum:
+            raise ChecksumMismatch(
+                "bytes from the daemon do not match their checksum",
+                f"{path}: {n} bytes hash to {h.hexdigest()}, not {checksum}; "
+                "what was written is not the file: run the get again",
+            )
         return n
 
     @contextmanager
@@ -81,7 +186,9 @@ class Client:
                 self._raise(resp)
             yield resp
         finally:
-            resp.read() if not resp.isclosed() else None
+            if not resp.isclosed():
+                # Unread bytes: draining them could take long; a new connection is cheap.
+                self.close()
 
     def entries(self, **kw: Any) -> dict[str, Any]:
         query = urlencode({k: v for k, v in kw.items() if v is not None})
@@ -192,7 +299,7 @@ class Client:
     ) -> http.client.HTTPResponse:
         payload = json.dumps(body, separators=(",", ":")).encode() if body is not None else None
         hdrs = {"Accept": "application/json", **(headers or {})}
-        if payload is not None:
+        if method == "POST":  # even without a body: the daemon refuses other types (415)
             hdrs["Content-Type"] = "application/json"
         if self._token:
             hdrs["Authorization"] = f"Bearer {self._token}"

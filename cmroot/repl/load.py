@@ -436,8 +436,8 @@ class Loader:
             batch = doubtful[i : i + _RESOLVE_BATCH]
             answer = self._client.resolve(
                 [{"path": c.src, "checksum": c.checksum} for c in batch]
-            )["files"]
-            missing += [c for c, a in zip(batch, answer, strict=True) if a["status"] == "missing"]
+            ).files
+            missing += [c for c, a in zip(batch, answer, strict=True) if a.status == "missing"]
         if missing:
             raise self._lost(missing)
 

@@ -128,13 +128,13 @@ def _one(row: Copy, client: Client | None) -> Copied:
     if client is None:
         return Copied(row.dst, None, "lost", 0, "not at its path and no daemon to ask", made)
     try:
-        answer = client.resolve([{"path": row.src, "checksum": row.checksum}])["files"][0]
+        answer = client.resolve([{"path": row.src, "checksum": row.checksum}]).files[0]
     except CmrootError as e:
         return Copied(row.dst, None, "lost", 0, f"the daemon could not resolve it: {e}", made)
-    if answer["status"] == "missing":
+    if answer.status == "missing":
         return Copied(row.dst, None, "lost", 0, "neither at its path nor in the cmroot", made)
-    location = answer.get("location")
-    if answer["status"] == "cmroot" and location and os.path.isfile(location):
+    location = answer.location
+    if answer.status == "cmroot" and location and os.path.isfile(location):
         n = _try(functools.partial(open, location, "rb"), temp, row.checksum)
     else:
         n = None
@@ -142,7 +142,7 @@ def _one(row: Copy, client: Client | None) -> Copied:
         n = _try(functools.partial(client.open, row.src, row.checksum), temp, row.checksum)
     if n is None:
         return Copied(row.dst, None, "lost", 0, "no copy hashed to its checksum", made)
-    return Copied(row.dst, temp, "cmroot" if answer["status"] == "cmroot" else "original", n,
+    return Copied(row.dst, temp, "cmroot" if answer.status == "cmroot" else "original", n,
                   made_dirs=made)
 
 
