@@ -6,21 +6,25 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import json
 import logging
 import os
+import resource
 import signal
 import ssl
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from aiohttp import web
+from aiohttp.streams import StreamReader
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client import CollectorRegistry
 
 from cmroot import config as cfg
-from cmroot.exceptions import ConfigError
-from cmroot.server.app import Service, create_app
+from cmroot.exceptions import ConfigError, Conflict
+from cmroot.server.app import Handler, Service, create_app
 from cmroot.server.auth import Tokens
 from cmroot.server.systemd import Notifier
 from cmroot.store import Store
@@ -28,6 +32,21 @@ from cmroot.store import Store
 log = logging.getLogger("cmroot.server")
 SHUTDOWN_GRACE = 120.0  # seconds an in-flight request may take to finish on SIGTERM
 MAX_REQUEST_LINE = 64 * 1024
+# An idle keep-alive connection, or one whose request headers have not all arrived, is
+# closed after this long (aiohttp starts the same timer at accept and after each answer).
+KEEPALIVE = 15.0
+BODY_IDLE = 15.0  # seconds a request body may stall before its read fails with 408
+BACKLOG = 1024  # connections the kernel queues while the daemon is busy accepting
+# Descriptors kept out of the connection cap for the store: SQLite, staging, hashing.
+FD_RESERVE = 64
+EXTEND_EVERY = 10.0  # seconds between start-timeout extensions while the store opens
+_BUSY_BODY = json.dumps(
+    {"error": "too many connections", "detail": "every connection is busy: retry shortly"}
+).encode()
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(_BUSY_BODY)
+) + _BUSY_BODY
 
 
 def serve(config: cfg.Config, host: str | None = None, port: int | None = None) -> int:
@@ -48,15 +67,38 @@ def serve(config: cfg.Config, host: str | None = None, port: int | None = None) 
             f"refusing to listen on {server.host} without tokens",
             "add auth.tokens (cmroot token create --scope admin) or bind to 127.0.0.1",
         )
+    if tokens.enabled and not server.tls_cert and not _is_loopback(server.host):
+        log.warning(
+            "tokens travel in clear text: listening beyond loopback without TLS",
+            extra={"host": server.host, "fix": "set server.tls_cert and server.tls_key"},
+        )
     _ensure_default_dirs(config)
-    store = Store.open(config)
+    notifier = Notifier()
+    store = _open_store(config, notifier)
     service = Service(store, tokens, CollectorRegistry())
     try:
-        asyncio.run(_run(config, service))
+        asyncio.run(_run(config, service, notifier))
     finally:
         service.close()
         store.close()
     return 0
+
+
+def _open_store(config: cfg.Config, notifier: Notifier) -> Store:
+    """Store.open settles interrupted recycles first, and a large rollback can outlast
+    TimeoutStartSec: systemd would kill it half way and start it again, for ever. So
+    while it runs, the start timeout is extended a little at a time."""
+    with ThreadPoolExecutor(1, thread_name_prefix="cmroot-open") as pool:
+        opening = pool.submit(Store.open, config)
+        while True:
+            notifier.notify(
+                f"EXTEND_TIMEOUT_USEC={int(EXTEND_EVERY * 3e6)}\n"
+                "STATUS=opening the store (recovering interrupted recycles)"
+            )
+            try:
+                return opening.result(timeout=EXTEND_EVERY)
+            except TimeoutError:
+                continue
 
 
 def _ensure_default_dirs(config: cfg.Config) -> None:
@@ -84,29 +126,134 @@ def _ssl_context(server: cfg.ServerConfig) -> ssl.SSLContext | None:
     return ctx
 
 
+def _reload_tls(ctx: ssl.SSLContext, server: cfg.ServerConfig) -> None:
+    """Load renewed certificates into the live context: new handshakes present them.
+    They are tried on a scratch context first, so a bad pair (a key that does not match
+    the certificate) raises before the live one holds half of it."""
+    if not server.tls_cert:
+        raise ConfigError(
+            "server.tls_cert removed", "TLS is switched on or off by a restart, not a reload"
+        )
+    ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+        server.tls_cert, server.tls_key
+    )
+    ctx.load_cert_chain(server.tls_cert, server.tls_key)
+
+
+def _max_connections() -> int:
+    """Half the descriptors the process may open (the rest serve files and the store),
+    so a crowd of clients never leaves a recycle without a descriptor. The unit sets
+    LimitNOFILE; run by hand, `ulimit -n` decides."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(16, (soft - FD_RESERVE) // 2)
+
+
+class _Listener:
+    """aiohttp's protocol factory under a connection cap. At the cap, idle connections
+    (keep-alive, or headers still arriving: a slow-loris) are closed first, oldest
+    first, so they cannot lock out real requests; only when every connection is busy
+    does a new one get a 503."""
+
+    def __init__(self, runner: web.AppRunner, cap: int) -> None:
+        self.runner = runner
+        self.cap = cap
+        self.busy: set[asyncio.BaseProtocol] = set()
+
+    def __call__(self) -> asyncio.BaseProtocol:
+        server = self.runner.server
+        assert server is not None, "called only once the runner is set up"
+        conns = server.connections
+        if len(conns) >= self.cap:
+            # Closing a batch at a time keeps the scan of the connections rare.
+            idle = [h for h in conns if h not in self.busy][: max(1, self.cap // 16)]
+            for h in idle:
+                h.close()
+            if not idle:
+                return _Busy()
+        return server()
+
+    @web.middleware
+    async def guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Marks the connection busy (not to be closed for room) while a request runs."""
+        proto = request.protocol
+        self.busy.add(proto)
+        watch = None if request.content.is_eof() else _StallWatch(request.content)
+        try:
+            return await handler(request)
+        finally:
+            self.busy.discard(proto)
+            if watch is not None:
+                watch.cancel()
+
+
+class _StallWatch:
+    """Fails the read of a request body that stops arriving for BODY_IDLE seconds (408):
+    a client that sends headers and then withholds the body holds no handler for ever."""
+
+    def __init__(self, stream: StreamReader) -> None:
+        self.stream = stream
+        self.handle = asyncio.get_running_loop().call_later(
+            BODY_IDLE, self._check, stream.total_bytes
+        )
+
+    def _check(self, seen: int) -> None:
+        s = self.stream
+        if s.is_eof():
+            return
+        if s.total_bytes == seen:
+            s.set_exception(web.HTTPRequestTimeout(text=f"no body bytes for {BODY_IDLE:g}s"))
+            return
+        self.handle = asyncio.get_running_loop().call_later(
+            BODY_IDLE, self._check, s.total_bytes
+        )
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+
+class _Busy(asyncio.Protocol):
+    """The answer to a connection beyond the cap: 503, then close."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(_BUSY)
+        transport.close()
+
+
 def _scheduler(service: Service, interval: float) -> BackgroundScheduler:
     sched = BackgroundScheduler(timezone="UTC")
     sched.add_job(
         _scheduled_sweep,
-        IntervalTrigger(seconds=interval, jitter=int(min(interval * 0.1, 300))),
+        _trigger(interval),
         args=[service],
         id="sweep",
         max_instances=1,
+        # A sweep that starts late (a suspended host, a busy scheduler thread) still runs,
+        # once: APScheduler's default silently skips a run more than 1 s late.
         coalesce=True,
+        misfire_grace_time=None,
         next_run_time=datetime.datetime.now(datetime.timezone.utc),
     )
     return sched
 
 
+def _trigger(interval: float) -> IntervalTrigger:
+    return IntervalTrigger(seconds=interval, jitter=int(min(interval * 0.1, 300)))
+
+
 def _scheduled_sweep(service: Service) -> None:
     try:
         service.gc()
+    except Conflict:
+        log.info("scheduled sweep skipped: a sweep asked for by POST /v1/gc is running")
     except Exception:
-        pass  # logged and counted by Service.gc; the next interval tries again
+        pass  # stopped for shutdown, or logged and counted by Service.gc: the next one retries
 
 
-async def _run(config: cfg.Config, service: Service) -> None:
-    notifier = Notifier()
+async def _run(config: cfg.Config, service: Service, notifier: Notifier) -> None:
+    loop = asyncio.get_running_loop()
     app = create_app(service, config.server.max_body)
     runner = web.AppRunner(
         app,
@@ -117,58 +264,82 @@ async def _run(config: cfg.Config, service: Service) -> None:
         # GET /v1/files it can take several times that. aiohttp's default 8190-byte request
         # line would refuse it with a plain-text 400 before the API could answer.
         max_line_size=MAX_REQUEST_LINE,
+        keepalive_timeout=KEEPALIVE,
     )
+    listener = _Listener(runner, _max_connections())
+    app.middlewares.append(listener.guard)  # innermost: the API's errors answer a 408
     await runner.setup()
-    site = web.TCPSite(
-        runner,
+    tls = _ssl_context(config.server)
+    # Our own listening socket rather than a TCPSite: the protocol factory enforces the
+    # connection cap before aiohttp spends anything on a connection.
+    server = await loop.create_server(
+        listener,
         config.server.host,
         config.server.port,
-        ssl_context=_ssl_context(config.server),
+        ssl=tls,
+        backlog=BACKLOG,
         reuse_address=True,
     )
-    await site.start()
     sched = _scheduler(service, config.store.interval)
     sched.start()
-    bound = runner.addresses
     log.info(
         "serving",
         extra={
-            "addresses": [f"{a[0]}:{a[1]}" for a in bound],
+            "addresses": [_address(s.getsockname()) for s in server.sockets],
             "store": config.store.root,
             "config": config.source,
             "auth": "tokens" if service.tokens.enabled else "loopback-open",
+            "max_connections": listener.cap,
         },
     )
     notifier.notify("READY=1\nSTATUS=serving")
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: _reload(config, service, sched, notifier))
+    loop.add_signal_handler(
+        signal.SIGHUP, lambda: _reload(config, service, sched, notifier, tls)
+    )
     watchdog = (
-        asyncio.create_task(_watchdog(service, notifier)) if notifier.watchdog_interval else None
+        asyncio.create_task(_watchdog(notifier, notifier.watchdog_interval))
+        if notifier.watchdog_interval
+        else None
     )
     await stop.wait()
 
     log.info("stopping: draining in-flight requests")
     notifier.notify("STOPPING=1")
+    server.close()  # no new connections; the kernel refuses them from now on
+    service.stopping.set()  # a running sweep ends after its current batch
+    # The scheduler is stopped from a thread: waiting for its sweep on the event loop
+    # would freeze every in-flight request behind it.
+    await asyncio.gather(asyncio.to_thread(sched.shutdown, True), runner.cleanup())
+    # Handlers cut off by the grace period leave their store call running in a worker:
+    # each recycle finishes or rolls back before the process exits.
+    await loop.run_in_executor(None, service.close)
     if watchdog:
         watchdog.cancel()
-    sched.shutdown(wait=True)
-    await runner.cleanup()
-    await loop.run_in_executor(None, service.close)
     log.info("stopped")
 
 
+def _address(sockname: tuple[str, int] | tuple[str, int, int, int]) -> str:
+    return f"{sockname[0]}:{sockname[1]}"
+
+
 def _reload(
-    config: cfg.Config, service: Service, sched: BackgroundScheduler, notifier: Notifier
+    config: cfg.Config,
+    service: Service,
+    sched: BackgroundScheduler,
+    notifier: Notifier,
+    tls: ssl.SSLContext | None,
 ) -> None:
-    """SIGHUP: re-read the config file; tokens and retention settings take effect now.
-    A bad file is logged and ignored: the daemon keeps its current settings."""
+    """SIGHUP: re-read the config file; tokens, retention settings and TLS certificates
+    take effect now. A bad file is logged and ignored: the daemon keeps its settings."""
     notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
     try:
         fresh = cfg.load(None if config.source == "<defaults>" else config.source)
+        if tls is not None:
+            _reload_tls(tls, fresh.server)
         service.tokens = Tokens(fresh.auth.tokens)
         service.store.reconfigure(
             replace(
@@ -179,28 +350,17 @@ def _reload(
                 retain_overrides=fresh.store.retain_overrides,
             )
         )
-        sched.reschedule_job(
-            "sweep",
-            trigger=IntervalTrigger(
-                seconds=fresh.store.interval, jitter=int(min(fresh.store.interval * 0.1, 300))
-            ),
-        )
+        sched.reschedule_job("sweep", trigger=_trigger(fresh.store.interval))
         log.info("reloaded", extra={"config": config.source, "tokens": len(fresh.auth.tokens)})
     except Exception as e:
         log.error("reload failed; keeping the current settings", extra={"error": str(e)})
     notifier.notify("READY=1\nSTATUS=serving")
 
 
-async def _watchdog(service: Service, notifier: Notifier) -> None:
-    """WATCHDOG=1 only while the index answers and the store is writable: a wedged store
-    gets the service restarted by systemd."""
-    assert notifier.watchdog_interval is not None
+async def _watchdog(notifier: Notifier, interval: float) -> None:
+    """WATCHDOG=1 from the event loop itself: the pings stop only if the loop is wedged.
+    Nothing here waits for the worker pool or the store (that is /readyz's business):
+    eight slow requests filling the pool must not get the daemon killed mid-recycle."""
     while True:
-        try:
-            await asyncio.wait_for(service.run(service.ready), timeout=notifier.watchdog_interval)
-            notifier.notify("WATCHDOG=1")
-        except Exception as e:
-            log.error(
-                "liveness check failed; withholding the watchdog ping", extra={"error": str(e)}
-            )
-        await asyncio.sleep(notifier.watchdog_interval)
+        notifier.notify("WATCHDOG=1")
+        await asyncio.sleep(interval)
