@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover - older fsspec
     _Base = AbstractFileSystem
 
 from cmroot.client import Client
-from cmroot.exceptions import CmrootError
+from cmroot.exceptions import CmrootError, Forbidden
 
 log = logging.getLogger("cmroot.hooks.fsspec")
 
@@ -129,7 +129,7 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
                 raise CmrootError(
                     f"cmroot could not recycle {len(paths)} path(s) (first {paths[0]}); "
                     "nothing was deleted",
-                    str(e),
+                    str(e) + (self._where_to_write() if isinstance(e, Forbidden) else ""),
                 ) from e
             type(self).fail_open_count += 1
             log.warning(
@@ -137,6 +137,21 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
                 extra={"paths": len(paths), "first": paths[0], "error": str(e)},
             )
             return False
+
+    def _where_to_write(self) -> str:
+        """A 403 names no paths (it may reach an unauthenticated caller): the roots come
+        from the cmroot config here, which a daemon on this host shares."""
+        from cmroot import config as cfg
+
+        try:
+            roots = cfg.load(cfg.default_config_path()).store.warehouse_roots
+        except CmrootError:
+            roots = tuple(self.roots)
+        return (
+            f"; cmroot keeps files under {', '.join(roots)}: write the table under "
+            f"{roots[0]} (Spark: spark.sql.warehouse.dir={roots[0]}, as `cmroot spark-conf` "
+            "prints), or add its directory to store.warehouse_roots"
+        )
 
     def _replace(self, path: str, write_new: Any) -> None:
         """Write the new bytes beside `path` with `write_new(tmp)`, then recycle the old file
