@@ -52,31 +52,43 @@ def of_local_file(path: str) -> str:
     inode with warehouse files, and a writer truncating a mapped file would kill the
     process with SIGBUS."""
     with open(path, "rb", buffering=0) as f:
-        return _of_open(f, os.fstat(f.fileno()).st_size)
+        return _of_open(f, os.fstat(f.fileno()).st_size)[0]
 
 
-def of_regular_file(path: str) -> tuple[str, os.stat_result]:
+def of_regular_file(path: str) -> tuple[str, int, os.stat_result]:
     """Hash the regular file at `path` without following a symlink or blocking on a FIFO
-    (BadRequest for anything else); returns the checksum and the descriptor's fstat, so
-    the caller needs no second look at the path."""
+    (BadRequest for anything else). Returns the checksum, the number of bytes it covers
+    (what was read, even if a writer changed the size meanwhile) and the descriptor's
+    fstat, so the caller needs no second look at the path."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    with open(fd, "rb", buffering=0) as f:
+    try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise BadRequest("not a regular file", f"{path} is a directory, pipe or device")
-        return _of_open(f, st.st_size), st
+        with open(fd, "rb", buffering=0, closefd=False) as f:
+            checksum, size = _of_open(f, st.st_size)
+        return checksum, size, st
+    finally:
+        os.close(fd)
 
 
-def _of_open(f: IO[bytes], size: int) -> str:
-    """Hash an open file whose fstat said `size`."""
+def _of_open(f: IO[bytes], size: int) -> tuple[str, int]:
+    """(checksum, bytes read) of an open file whose fstat said `size`."""
     if size < CHUNK:
         # One read sized by fstat: a 64 KiB file costs a 64 KiB buffer, where
         # read(CHUNK) would fault in a fresh 1 MiB one (3x slower per file).
         head = f.read(size + 1)
         if len(head) <= size:
-            return xxhash.xxh3_128_hexdigest(head)
+            return xxhash.xxh3_128_hexdigest(head), len(head)
         f.seek(0)  # it grew while we looked: hash it the long way
-    return of_stream(f)
+    h = xxhash.xxh3_128()
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    total = 0
+    while n := f.readinto(buf):  # type: ignore[attr-defined]
+        h.update(view[:n])
+        total += n
+    return h.hexdigest(), total
 
 
 def of_file(fs: Any, path: str) -> str:

@@ -139,6 +139,28 @@ def directory(path: str) -> Iterator[int]:
         os.close(fd)
 
 
+_SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "arm64": 276}.get(platform.machine())
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+
+def rename_noreplace(src: str, dst: str, dst_dir_fd: int) -> None:
+    """Rename the absolute path `src` to `dst` below `dst_dir_fd`, never over anything
+    that is there (FileExistsError): renameat2(RENAME_NOREPLACE), or a check then a rename
+    where the kernel or filesystem lacks it."""
+    if _SYS_RENAMEAT2 is not None:
+        r = _libc.syscall(_SYS_RENAMEAT2, _AT_FDCWD, os.fsencode(src), dst_dir_fd,
+                          os.fsencode(dst), _RENAME_NOREPLACE)
+        if r == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL, errno.EPERM):
+            raise OSError(err, os.strerror(err), dst)
+    if os.path.lexists(f"/proc/self/fd/{dst_dir_fd}/{dst}"):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+    os.rename(src, dst, dst_dir_fd=dst_dir_fd)
+
+
 def is_escape(err: OSError) -> bool:
     """Whether an error of this module means a symlink or a way out was on the path."""
     return err.errno in ESCAPE

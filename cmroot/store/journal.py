@@ -44,7 +44,7 @@ from cmroot.exceptions import CmrootError
 from cmroot.index import Entry, Event, Index, PendingTx
 from cmroot.store.layout import Layout, sync_filesystem
 from cmroot.store.objects import Objects
-from cmroot.store.source import Session
+from cmroot.store.source import RootUnavailable, Session
 from cmroot.store.warehouse import Root, Warehouse
 from cmroot.vocab import FileState, Method, Mode, TxState
 
@@ -164,7 +164,7 @@ class Journal:
             for it in items:
                 try:
                     state = self._undo(txid, it, sessions.open(it.root))
-                except OSError as e:
+                except (OSError, RootUnavailable) as e:
                     # Its way back is gone (the parent became a file, or a symlink out of
                     # the root): keep it in the store rather than stop the whole rollback.
                     if it.method != Method.RENAME or not _regular(it.staged):

@@ -34,10 +34,10 @@ from cmroot.exceptions import NotFound
 from cmroot.index import Index
 from cmroot.store import confined
 from cmroot.store.layout import Layout
-from cmroot.store.source import SymlinkRefused
+from cmroot.store.source import RootUnavailable
 from cmroot.store.source.local import Ident, LocalSource, ident_of, ident_str
 from cmroot.store.source.remote import remote_ident
-from cmroot.store.warehouse import Located, Warehouse
+from cmroot.store.warehouse import Located, PathUnsettled, Warehouse
 from cmroot.vocab import Status
 
 log = logging.getLogger(__name__)
@@ -383,7 +383,7 @@ def locate(warehouse: Warehouse, raw: object, attempts: int = 3) -> Located:
     for _ in range(attempts):
         try:
             return warehouse.locate(raw)
-        except OSError:
+        except PathUnsettled:
             continue
     log.info("path kept changing while looked up: its original is not considered",
              extra={"path": str(raw)[:300]})
@@ -413,8 +413,8 @@ def open_original(loc: Located, root_fd: int | None = None) -> int | None:
         assert isinstance(source, LocalSource), "open_original is for local roots"
         with source.root() as rfd:
             return confined.open_beneath(rfd, rel, READ_FLAGS)
-    except SymlinkRefused:
-        return None  # a nested root swapped for a symlink: nothing of ours is there
+    except RootUnavailable:
+        return None  # e.g. a nested root swapped for a symlink: nothing of ours is there
     except OSError as e:
         if e.errno in NO_FILE:
             return None

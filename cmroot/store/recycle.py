@@ -314,11 +314,11 @@ class Recycler:
             # Read, not mmap: the inode is the warehouse file's, and a straggler writer
             # truncating a mapped file would kill the daemon with SIGBUS. A symlink or a
             # directory swapped in since the listing is refused here (and put back as is).
-            it.checksum, st = cks.of_regular_file(it.staged)
+            it.checksum, it.size, st = cks.of_regular_file(it.staged)
         else:
             it.checksum, it.ident = session.copy_out(it.rel, it.staged)
             st = os.lstat(it.staged)
-        it.size = st.st_size
+            it.size = st.st_size
         if publish:
             self._publish(txid, it, st.st_nlink)
 
@@ -567,7 +567,10 @@ def _merge(first: RecycleRequest, more: RecycleRequest) -> RecycleRequest:
 
 
 # A source that vanished, or whose path changed shape, between listing and staging.
-_CHANGED = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ESTALE})
+# ENXIO: a socket, which cannot be opened.
+_CHANGED = frozenset(
+    {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ESTALE, errno.ENXIO}
+)
 
 
 def _out_of_space(e: BaseException) -> bool:

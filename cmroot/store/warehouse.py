@@ -7,6 +7,7 @@ The canonical spelling is what entries record, so `file:///wh/t/f` and `/wh/t/f`
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import stat
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cmroot.config import local_path
-from cmroot.exceptions import BadRequest, OutsideRoots
+from cmroot.exceptions import BadRequest, Conflict, OutsideRoots
 from cmroot.store.source import Source, SourceFile, SymlinkRefused, for_root
 from cmroot.store.source.local import LocalSource
 
@@ -24,6 +25,11 @@ MAX_PATH = 4096
 NAME_MAX = 255
 _REALPATH_TTL = 1.0
 _REALPATH_CACHE = 65536
+
+
+class PathUnsettled(Conflict):
+    """realpath() failed on a path (a symlink on it swapped while read, a chain too long):
+    nothing is known of what is there."""
 
 
 @dataclass(frozen=True)
@@ -62,21 +68,23 @@ class Located:
 class Warehouse:
     def __init__(self, roots: Sequence[str]) -> None:
         self.roots: list[Root] = []
+        local = [p for url in roots if (p := local_path(url)) is not None]
+        reals = _local_reals(local)
         for url in roots:
             lp = local_path(url)
             if lp is not None:
-                real = os.path.realpath(lp)
-                src = for_root(lp, real)
-                self.roots.append(Root(lp, src.fs, lp, True, real, src))
+                src = for_root(lp, reals[lp][0])
+                self.roots.append(Root(lp, src.fs, lp, True, reals[lp][0], src))
             else:
                 src = for_root(url, None)
                 self.roots.append(Root(url.rstrip("/"), src.fs, src.root_path, False, "", src))
+        by_path = {r.path: r.source for r in self.roots if r.local}
+        for path, (_, outer) in reals.items():
+            inner_src, outer_src = by_path[path], by_path[outer[0]] if outer else None
+            if isinstance(inner_src, LocalSource) and isinstance(outer_src, LocalSource):
+                assert outer is not None
+                inner_src.outer = (outer_src, outer[1])
         self._real_dirs: dict[str, tuple[float, str]] = {}
-        for root in self.roots:
-            if isinstance(root.source, LocalSource):
-                outer = _enclosing(root, self.roots)
-                if outer is not None and isinstance(outer.source, LocalSource):
-                    root.source.outer = (outer.source, root.real[len(outer.real) :].strip("/"))
 
     def _realpath(self, path: str) -> tuple[str, os.stat_result | None, bool]:
         """realpath(), with the parent directory's answer cached for a second: a batch of
@@ -89,7 +97,7 @@ class Warehouse:
         if hit is None or now - hit[0] > _REALPATH_TTL:
             if len(self._real_dirs) > _REALPATH_CACHE:
                 self._real_dirs.clear()
-            hit = (now, os.path.realpath(parent or "/"))
+            hit = (now, _realpath(parent or "/"))
             self._real_dirs[parent] = hit
         joined = f"{hit[1].rstrip('/')}/{name}"
         try:
@@ -97,7 +105,7 @@ class Warehouse:
         except OSError:  # missing, or a name the filesystem refuses: nothing to follow
             return joined, None, True
         if stat.S_ISLNK(st.st_mode):
-            return os.path.realpath(joined), None, False
+            return _realpath(joined), None, False
         return joined, st if stat.S_ISREG(st.st_mode) else None, True
 
     def locate(self, raw: object, resolve: bool = True) -> Located:
@@ -126,7 +134,14 @@ class Warehouse:
             root = self._local_root(key, raw)
             if not resolve:
                 return Located(key, root, key, None, True)
-            real, st, statted = self._realpath(key)
+            try:
+                real, st, statted = self._realpath(key)
+            except OSError as e:
+                raise PathUnsettled(
+                    "path changed while it was looked up",
+                    f"{raw[:300]!r}: {e.strerror or e} (a symlink on its way was swapped, or"
+                    " the chain is too long): try again",
+                ) from None
             if not any(r.local and _under(real, r.real) for r in self.roots):
                 raise OutsideRoots(
                     "path escapes the warehouse roots",
@@ -166,7 +181,7 @@ class Warehouse:
             try:
                 found, is_dir = loc.root.source.expand(loc.rel, loc.key)
             except SymlinkRefused as e:
-                real = os.path.realpath(e.key)
+                real = _realpath(e.key)
                 if not any(r.local and _under(real, r.real) for r in self.roots):
                     raise OutsideRoots(
                         "symlink escapes the warehouse roots", f"{e.key} points to {real}"
@@ -181,7 +196,7 @@ class Warehouse:
     def protected(self, key: str) -> bool:
         """A root, or a directory that contains one (by its configured or its real path):
         never removed, moved or recycled (invariant 5)."""
-        real = os.path.realpath(key) if local_path(key) is not None else key
+        real = _realpath(key) if local_path(key) is not None else key
         return any(
             _under(r.url, key) or (r.local and (_under(r.real, key) or _under(r.real, real)))
             for r in self.roots
@@ -194,7 +209,7 @@ class Warehouse:
         """Re-check confinement without the realpath cache, just before a file is moved or
         served: a parent swapped for a symlink a moment ago must not let it escape."""
         if loc.local:
-            real = os.path.realpath(loc.key)
+            real = _realpath(loc.key)
             if not any(r.local and _under(real, r.real) for r in self.roots):
                 raise OutsideRoots(
                     "path escapes the warehouse roots",
@@ -202,11 +217,42 @@ class Warehouse:
                 )
 
 
-def _enclosing(root: Root, roots: Sequence[Root]) -> Root | None:
-    """The local root whose real directory most closely contains `root`'s (None if none;
-    a root configured twice is not nested in itself)."""
-    outer = [r for r in roots if r.local and r.real != root.real and _under(root.real, r.real)]
-    return max(outer, key=lambda r: len(r.real), default=None)
+def _local_reals(paths: Sequence[str]) -> dict[str, tuple[str, tuple[str, str] | None]]:
+    """For each configured local root: its real directory, and the root it lies in with
+    its path below that one (None for a top-level root).
+
+    A root configured inside another (/wh/t/inner inside /wh) is nested by its name: its
+    real directory is the outer one's plus that name, never what realpath() says at
+    start-up, because a writer of the outer root could have made it a symlink before a
+    restart. Otherwise a root whose real path lies in another's (an administrator's alias
+    such as /links/inner -> /wh/t/inner) is nested by that real path. Either way it is
+    then only ever opened through the outer root's descriptor."""
+    out: dict[str, tuple[str, tuple[str, str] | None]] = {}
+    norm = {p: posixpath.normpath(p) for p in paths}
+    for p in sorted(dict.fromkeys(paths), key=lambda q: len(norm[q])):  # outer names first
+        named = [q for q in out if norm[q] != norm[p] and _under(norm[p], norm[q])]
+        if named:
+            outer = max(named, key=lambda q: len(norm[q]))
+            rel = norm[p][len(norm[outer]) :].strip("/")
+            out[p] = (f"{out[outer][0].rstrip('/')}/{rel}", (outer, rel))
+        else:
+            out[p] = (_realpath(p), None)
+    for p, (real, nested) in list(out.items()):
+        if nested is None:
+            by_real = [q for q in out if out[q][0] != real and _under(real, out[q][0])]
+            if by_real:
+                outer = max(by_real, key=lambda q: len(out[q][0]))
+                out[p] = (real, (outer, real[len(out[outer][0]) :].strip("/")))
+    return out
+
+
+def _realpath(path: str) -> str:
+    """os.path.realpath, with a symlink chain too deep for its recursion reported as the
+    kernel reports one too long (ELOOP), not as a RecursionError."""
+    try:
+        return os.path.realpath(path)
+    except RecursionError:
+        raise OSError(errno.ELOOP, "too many levels of symbolic links", path) from None
 
 
 def _normalise(path: str, raw: str) -> str:

@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from cmroot.exceptions import BadRequest
+from cmroot.exceptions import BadRequest, NotFound
 from cmroot.vocab import Method, Mode
 
 
@@ -25,6 +25,10 @@ class SymlinkRefused(BadRequest):
     def __init__(self, key: str) -> None:
         super().__init__("symlinks are not recycled", f"{key} is a symlink: recycle its target")
         self.key = key
+
+
+class RootUnavailable(NotFound):
+    """A warehouse root's directory cannot be opened: nothing under it is read or moved."""
 
 
 @dataclass(frozen=True)

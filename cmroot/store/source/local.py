@@ -8,6 +8,7 @@ or a clean-up outside the root."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 import threading
@@ -21,8 +22,16 @@ from cmroot import checksum as cks
 from cmroot.exceptions import BadRequest, ChecksumMismatch, NotFound
 from cmroot.store import confined
 from cmroot.store.layout import same_bytes
-from cmroot.store.source import Session, Source, SourceFile, SymlinkRefused
+from cmroot.store.source import (
+    RootUnavailable,
+    Session,
+    Source,
+    SourceFile,
+    SymlinkRefused,
+)
 from cmroot.vocab import Method, Mode
+
+log = logging.getLogger(__name__)
 
 Ident = tuple[int, int, int, int, int]  # st_dev, st_ino, size, mtime_ns, ctime_ns
 
@@ -61,18 +70,23 @@ class LocalSource(Source):
         is opened by its real path (its parents belong to administrators, not to warehouse
         writers); a nested one below its outer root's descriptor, no symlink followed, so
         a swap makes every request under it fail instead of reading outside files."""
-        if self.outer is None:
-            return os.open(self.real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        source, rel = self.outer
-        outer = source.open_root()
         try:
-            return confined.open_dir_beneath(outer, rel)
+            if self.outer is None:
+                return os.open(self.real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            source, rel = self.outer
+            outer = source.open_root()
+            try:
+                return confined.open_dir_beneath(outer, rel)
+            finally:
+                os.close(outer)
         except OSError as e:
-            if confined.is_escape(e):
-                raise SymlinkRefused(self.real) from None
-            raise
-        finally:
-            os.close(outer)
+            # For a symlink as the last component the kernel may say ENOTDIR, not ELOOP.
+            raise RootUnavailable(
+                "warehouse root unavailable",
+                f"{self.real}: {e.strerror or e} (missing, not a directory, or a symlink"
+                " inside another root): restore the directory, or configure the root by"
+                " its real path",
+            ) from None
 
     @contextmanager
     def root(self) -> Iterator[int]:
@@ -205,14 +219,18 @@ class LocalSession(Session):
     def put_back(self, rel: str, staged: str) -> bool:
         pfd, name = self._parent(rel, create=True)
         if not stat.S_ISREG(os.lstat(staged).st_mode):
-            # Not a file (swapped in the instant between check and rename): move it back
-            # as it is, never over anything.
+            # Not a file (a directory or symlink swapped in the instant between the check
+            # and the rename): it goes back as it is, never over anything; if its name was
+            # taken meanwhile, beside it under a name that says why. The store keeps
+            # regular files only, so this is the one place such a thing can go.
             try:
-                os.stat(name, dir_fd=pfd, follow_symlinks=False)
-                return False
-            except FileNotFoundError:
-                os.rename(staged, name, dst_dir_fd=pfd)
-                return True
+                confined.rename_noreplace(staged, name, pfd)
+            except FileExistsError:
+                aside = f"{name}.cmroot-conflict-{os.path.basename(os.path.dirname(staged))}"
+                confined.rename_noreplace(staged, aside, pfd)
+                log.warning("a non-file swapped in during a recycle was put back beside the"
+                            " path re-created meanwhile", extra={"path": rel, "as": aside})
+            return True
         try:
             # A link never replaces a file a writer created meanwhile; a crash between it
             # and the unlink leaves two names of one inode, which the next try settles.
