@@ -36,7 +36,9 @@ MAX_REQUEST_LINE = 64 * 1024
 # closed after this long (aiohttp starts the same timer at accept and after each answer).
 KEEPALIVE = 15.0
 BODY_IDLE = 15.0  # seconds a request body may stall before its read fails with 408
-BACKLOG = 1024  # connections the kernel queues while the daemon is busy accepting
+# Connections the kernel queues while the daemon is busy; asyncio also accepts up to this
+# many in one go, before the connection cap is looked at, so the cap leaves room for them.
+BACKLOG = 128
 # Descriptors kept out of the connection cap for the store: SQLite, staging, hashing.
 FD_RESERVE = 64
 EXTEND_EVERY = 10.0  # seconds between start-timeout extensions while the store opens
@@ -141,13 +143,13 @@ def _reload_tls(ctx: ssl.SSLContext, server: cfg.ServerConfig) -> None:
 
 
 def _max_connections() -> int:
-    """Half the descriptors the process may open (the rest serve files and the store),
-    so a crowd of clients never leaves a recycle without a descriptor. The unit sets
-    LimitNOFILE; run by hand, `ulimit -n` decides."""
+    """Half the descriptors left after the store's reserve and one accept batch (each
+    connection may hold a file it serves), so a crowd of clients never leaves a recycle
+    without a descriptor. The unit sets LimitNOFILE; run by hand, `ulimit -n` decides."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
-    return max(16, (soft - FD_RESERVE) // 2)
+    return max(16, (soft - FD_RESERVE - BACKLOG) // 2)
 
 
 class _Listener:
@@ -166,13 +168,25 @@ class _Listener:
         assert server is not None, "called only once the runner is set up"
         conns = server.connections
         if len(conns) >= self.cap:
-            # Closing a batch at a time keeps the scan of the connections rare.
-            idle = [h for h in conns if h not in self.busy][: max(1, self.cap // 16)]
+            # A batch at a time keeps the scan of every connection rare.
+            idle = [h for h in conns if self._idle(h)][: max(1, self.cap // 16)]
             for h in idle:
-                h.close()
+                h.force_close()
             if not idle:
                 return _Busy()
         return server()
+
+    def _idle(self, h: web.RequestHandler) -> bool:
+        """No request in a handler and nothing of an answer left to send. (Between a
+        handler's return and its answer's first write the loop does not yield, so an
+        answer is never cut here.)"""
+        t = h.transport
+        return (
+            h not in self.busy
+            and isinstance(t, asyncio.WriteTransport)
+            and not t.is_closing()
+            and t.get_write_buffer_size() == 0
+        )
 
     @web.middleware
     async def guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
