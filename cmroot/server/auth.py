@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import hashlib
+import ipaddress
+import re
 import secrets
 from collections.abc import Iterable
 
 from cmroot.exceptions import ConfigError, Forbidden, Unauthorized
 
 SCOPES = ("read", "write", "admin")
+# A Host header: a bracketed IPv6 address or a name/IPv4 address, with an optional port.
+_HOST = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[^:\[\]]+))(?::[0-9]{1,5})?")
 
 
 def hash_token(token: str) -> str:
@@ -46,12 +50,33 @@ class Tokens:
         """Raise Unauthorized/Forbidden unless the header carries a token with `needed`."""
         if not self.enabled:
             return
-        if not authorization or not authorization.startswith("Bearer "):
+        scheme, _, token = (authorization or "").partition(" ")
+        # RFC 9110: the scheme is case-insensitive.
+        if scheme.lower() != "bearer" or not token.strip():
             raise Unauthorized("missing token", "send Authorization: Bearer <token>")
-        scope = self._scopes.get(hash_token(authorization[len("Bearer ") :].strip()))
+        scope = self._scopes.get(hash_token(token.strip()))
         if scope is None:
             raise Unauthorized("unknown token", "the token is not in this daemon's auth.tokens")
         if SCOPES.index(scope) < SCOPES.index(needed):
             raise Forbidden(
                 "insufficient scope", f"this call needs a {needed!r} token, not {scope!r}"
             )
+
+
+def loopback_host(host: str | None) -> bool:
+    """Whether a Host header names this machine's loopback: `localhost`, 127.0.0.0/8 or
+    ::1, with an optional port. Open mode serves only those, so a web page whose own name
+    was rebound to 127.0.0.1 (DNS rebinding) cannot talk to the daemon."""
+    m = _HOST.fullmatch(host or "")
+    if m is None:
+        return False
+    if m["name"] is not None and m["name"].lower() == "localhost":
+        return True
+    try:
+        addr = ipaddress.ip_address(m["v6"] or m["name"])
+    except ValueError:
+        return False
+    if (addr.version == 6) != (m["v6"] is not None):
+        return False  # IPv6 only in brackets, IPv4 never
+    mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
+    return addr.is_loopback or (mapped is not None and mapped.is_loopback)

@@ -96,6 +96,8 @@ def test_missing_or_unknown_token_is_401_and_changes_nothing(lake: Daemon) -> No
             else:
                 err = assert_error(r, 401, "token")
                 assert "expiring" not in str(err)
+            # RFC 9110: a 401 names the scheme that would be accepted.
+            assert r.headers["WWW-Authenticate"].startswith("Bearer"), (path, r.headers)
             assert d.snapshot() == before, (method, path, header)
 
 
@@ -115,6 +117,17 @@ def test_token_without_the_scope_is_403_and_changes_nothing(lake: Daemon) -> Non
     # recycle and events POST need write (1 lower scope each); events GET, current and gc
     # need admin (2 each).
     assert refused == 8
+
+
+def test_bearer_scheme_is_case_insensitive(lake: Daemon) -> None:
+    d = lake
+    for method, path, body, needed in _endpoints(d):
+        if method == "POST" and needed != "read":
+            continue  # the control test below does the changing ones
+        for scheme in ("bearer", "BEARER", "bEaReR"):
+            auth = {"Authorization": f"{scheme} {d.tokens['admin']}"}
+            r = d.request(method, path, body, headers=auth, scope=None)
+            assert r.status == 200, (method, path, scheme, r)
 
 
 def test_open_endpoints_need_no_token(lake: Daemon) -> None:

@@ -342,3 +342,196 @@ def test_fuzz_query_strings(lake: Daemon, strategies: dict[str, Any]) -> None:
         _assert_sound(lake, before, r, f"{method} {path}?{query}")
 
     run()
+
+
+# -- a corpus of nasty bodies, on a daemon with the default (64 MiB) body limit -----------
+
+
+@pytest.fixture(scope="module")
+def roomy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = Daemon(tmp_path_factory.mktemp("nasty"))
+    write_files(d.warehouse, {"db.db/t/p=0/f": b"stays put" * 10})
+    d.start()
+    try:
+        yield d
+        assert d.errors() == [], d.log()
+    finally:
+        d.close()
+
+
+def _nasty(d: Daemon) -> list[tuple[str, bytes]]:
+    """(route, body) pairs each of which must be refused: deep nesting, huge numbers,
+    invalid UTF-8, duplicate keys whose last value is bad, NUL bytes, 10 MB strings."""
+    good = str(d.warehouse / "db.db/t/p=0/f")
+    gone = str(d.warehouse / "db.db/nothing-here")
+    s = cks.of_bytes(b"stays put" * 10)
+    ten_mb = "x" * (10 << 20)
+    pair = json.dumps({"path": good, "checksum": s})
+    out: list[tuple[str, bytes]] = []
+    for route in ("/v1/recycle", "/v1/resolve", "/v1/events"):
+        out += [
+            (route, b"[" * 100_000),
+            (route, b'{"a":' * 50_000),
+            (route, b'{"paths": ' + b"[" * 100_000),
+            (route, b'{"files": [' + b"{" * 100_000),
+            (route, b"9" * 5000),
+            (route, b'{"files": [' + b"9" * 5000 + b"]}"),
+            (route, b"1e400"),
+            (route, b"\xff\xfe\xfd"),
+            (route, b'{"paths": ["\xc3\x28"], "op": "DROP_TABLE"}'),
+            (route, b'{"paths": ["\xed\xa0\x80"], "op": "DROP_TABLE"}'),  # UTF-8 surrogate
+            (route, b'{"paths": ["\xc0\xaf"], "op": "DROP_TABLE"}'),  # overlong "/"
+            (route, b"\x00"),
+            (route, b'{"\x00": 1}'),
+            (route, json.dumps({"\0": 1}).encode()),
+            (route, json.dumps({ten_mb: 1}).encode()),
+            (route, b"{}" + b" " * 100 + b"{}"),
+            (route, b'{"files": [' + pair.encode() + b"]} trailing"),
+        ]
+    out += [
+        ("/v1/recycle", json.dumps({"paths": [good], "op": "DROP_TABLE", "op ": 1}).encode()),
+        ("/v1/recycle", b'{"paths": ["' + good.encode() + b'"], "op": "DROP_TABLE", "op": "NUKE"}'),
+        ("/v1/recycle", b'{"op": "DROP_TABLE", "paths": ["' + good.encode() + b'"], "paths": []}'),
+        ("/v1/recycle", json.dumps({"paths": [good + "\0"], "op": "DROP_TABLE"}).encode()),
+        ("/v1/recycle", json.dumps({"paths": [good], "op": "DROP_TABLE\0"}).encode()),
+        ("/v1/recycle", json.dumps({"paths": [good], "op": "DROP_TABLE", "db": "d\0"}).encode()),
+        ("/v1/recycle", json.dumps({"paths": [ten_mb], "op": "DROP_TABLE"}).encode()),
+        ("/v1/recycle", json.dumps({"paths": [good], "op": ten_mb}).encode()),
+        ("/v1/recycle", json.dumps({"paths": [good], "op": "DROP_TABLE", "db": ten_mb}).encode()),
+        ("/v1/recycle", json.dumps({"paths": [gone] * 200_000, "op": "DROP_TABLE"}).encode()),
+        ("/v1/resolve", json.dumps({"files": [{"path": ten_mb, "checksum": s}]}).encode()),
+        ("/v1/resolve", json.dumps({"files": [{"path": good, "checksum": ten_mb}]}).encode()),
+        ("/v1/resolve", b'{"files": [{"path": "' + good.encode() + b'", "checksum": "'
+         + s.encode() + b'", "checksum": 5}]}'),
+        ("/v1/events", json.dumps({"eventType": ten_mb}).encode()),
+        (
+            "/v1/events",
+            json.dumps({"eventType": "CREATE_TABLE", "tableObj": {"k": ten_mb}}).encode(),
+        ),
+        (
+            "/v1/events",
+            b'{"eventType": "CREATE_TABLE", "tableObj": ' + b'{"a":' * 900 + b"1" + b"}" * 901,
+        ),
+        (
+            "/v1/events",
+            b'{"eventType": "CREATE_TABLE", "tableObj": {"n": ' + b"1" * 5000 + b"}}",
+        ),
+        (
+            "/v1/events",
+            b'{"eventType": "CREATE_TABLE", "eventType": "DROP_TABLE", "files": [' + pair.encode()
+            + b"]}",
+        ),
+        (
+            "/v1/events",
+            json.dumps(
+                {"eventType": "INSERT", "files": [{"path": good, "checksum": s, "size": True}]}
+            ).encode(),
+        ),
+        (
+            "/v1/events",
+            b'{"eventType": "INSERT", "files": [{"path": "' + good.encode() + b'", "checksum": "'
+            + s.encode() + b'", "size": ' + b"9" * 5000 + b"}]}",
+        ),
+    ]
+    return out
+
+
+def test_nasty_corpus_is_refused_and_changes_nothing(roomy: Daemon) -> None:
+    d = roomy
+    for route, raw in _nasty(d):
+        before = d.snapshot()
+        r = d.request("POST", route, raw=raw)
+        what = f"POST {route} {raw[:120]!r}"
+        assert 400 <= r.status < 500, (what, r, d.log()[-2000:])
+        assert r.json()["error"] and isinstance(r.json()["detail"], str), what
+        assert len(r.body) < 4096, (what, "a refusal does not echo the body back")
+        assert d.snapshot() == before, what
+    assert d.request("GET", "/healthz", scope=None).status == 200
+    assert d.request("GET", "/readyz", scope=None).status == 200
+    assert (d.warehouse / "db.db/t/p=0/f").read_bytes() == b"stays put" * 10
+
+
+WRONG = [None, True, False, 0, -1, 2**63, 1.5, "", "x", "\0", [], [None], [[]], {}, {"a": 1}]
+
+
+def test_wrong_types_for_every_field(roomy: Daemon) -> None:
+    """Every field of every body, given every JSON type: a 4xx naming that field, or (where
+    the value happens to be valid) an answer that is not a 5xx."""
+    d = roomy
+    good = str(d.warehouse / "db.db/t/p=0/f")
+    s = cks.of_bytes(b"stays put" * 10)
+    gone = str(d.warehouse / "db.db/nothing-here")  # a valid recycle of it is a 404
+    bases: list[tuple[str, dict[str, Any]]] = [
+        (
+            "/v1/recycle",
+            {
+                "paths": [gone],
+                "op": "DROP_TABLE",
+                "mode": "copy",
+                "purge": False,
+                "db": "db",
+                "table": "t",
+                "partitions": [{"p": "0"}],
+                "location": gone,
+            },
+        ),
+        ("/v1/resolve", {"files": [{"path": good, "checksum": s}]}),
+        (
+            "/v1/events",
+            {
+                "eventType": "DROP_TABLE",  # with files: refused by the store when well typed
+                "db": "db",
+                "table": "t",
+                "partitions": [{"p": "0"}],
+                "files": [{"path": good, "checksum": s, "size": 90}],
+                "server": "s",
+                "timestamp": 1.0,
+                "location": gone,
+                "tableObj": {"table": "t"},
+            },
+        ),
+    ]
+    for route, base in bases:
+        control = d.request("POST", route, base).body  # the well-typed body's own answer
+        for field in base:
+            for value in WRONG:
+                body = {**base, field: value}
+                before = d.snapshot()
+                r = d.request("POST", route, body)
+                what = (route, field, value, r)
+                assert r.status < 500, what
+                if r.status >= 400:
+                    assert d.snapshot() == before, what
+                    err = r.json()
+                    if r.status == 400 and r.body != control:
+                        # The store says "bad path" of a path it refuses (relative, NUL).
+                        text = err["error"] + err["detail"]
+                        assert field in text or "path" in text, what
+    assert d.request("GET", "/readyz", scope=None).status == 200
+
+
+def test_fuzz_content_types(lake: Daemon) -> None:
+    """Any Content-Type but JSON: 415, nothing read, nothing changed."""
+    d = lake
+    body = json.dumps({"paths": [d.fuzz_paths[0]], "op": "DROP_TABLE"}).encode()  # type: ignore[attr-defined]
+
+    @settings(FUZZ, max_examples=60)
+    @given(
+        ctype=st.one_of(
+            st.sampled_from(
+                ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                 "application/json-patch+json", "text/json", "application/json; charset=utf-16"]
+            ),
+            st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=30),
+        ),
+        route=st.sampled_from(["/v1/recycle", "/v1/resolve", "/v1/events", "/v1/gc"]),
+    )
+    def run(ctype: str, route: str) -> None:
+        if ctype.split(";")[0].strip().lower() == "application/json":
+            return
+        before = d.snapshot()
+        r = d.request("POST", route, raw=body, headers={"Content-Type": ctype})
+        assert r.status == 415, (ctype, r)
+        assert d.snapshot() == before
+
+    run()

@@ -1,0 +1,341 @@
+"""Typed schemas of every request body and query string of the HTTP API, and the decoders
+the handlers go through. Lengths, integer ranges, nesting depth and the size of `tableObj`
+are checked here, before any store call, so bad input is a 400 naming the field and the
+fix, never a 5xx: a body nested 100,000 deep, a 5000-digit integer or a 60 MiB `tableObj`
+(which would make every page of the event log holding it fail) is refused up front.
+
+The store keeps its own checks (RecycleRequest.validate, paths confined to the roots):
+these schemas only make sure what reaches it has the right shape and bounded size."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+from msgspec import UNSET, Meta, Raw, Struct, UnsetType
+
+from cmroot.exceptions import BadRequest, CmrootError
+from cmroot.store import RecycleRequest
+from cmroot.vocab import DESTRUCTIVE, RECORDABLE, EventType, Mode
+
+MAX_NAME = 1024  # db, table, server, partition keys: the store refuses longer names too
+MAX_VALUE = 4096  # a partition value
+MAX_PATH = 4096  # = store.warehouse.MAX_PATH, in characters
+MAX_ITEMS = 100_000  # paths, partitions or resolve pairs in one request (= MAX_PAIRS)
+MAX_EVENT_FILES = 1_000_000  # files of one recorded event (the body size caps them first)
+MAX_PARTITION_KEYS = 256
+MAX_TABLE_OBJ = 1 << 20  # bytes of a tableObj's JSON: a page of the log always fits one
+MAX_TABLE_OBJ_DEPTH = 32  # a Hive table definition is under 10 levels deep
+MAX_INT = 2**63 - 1  # SQLite's integers
+MAX_TIMESTAMP = 1e11  # seconds since the epoch: year 5138
+_ECHO = 200  # characters of a refused value echoed back in a detail
+
+Name = Annotated[str, Meta(max_length=MAX_NAME)]
+PathStr = Annotated[str, Meta(min_length=1, max_length=MAX_PATH)]
+Checksum = Annotated[str, Meta(pattern="^[0-9a-f]{32}$")]
+Size = Annotated[int, Meta(ge=0, le=MAX_INT)]
+Partition = Annotated[
+    dict[Name, Annotated[str, Meta(max_length=MAX_VALUE)]], Meta(max_length=MAX_PARTITION_KEYS)
+]
+Partitions = Annotated[list[Partition], Meta(max_length=MAX_ITEMS)]
+
+
+class UnsupportedMediaType(CmrootError):
+    """A POST body that is not `application/json` (what a cross-site form can send)."""
+
+    status = 415
+
+
+class RecycleBody(Struct, forbid_unknown_fields=True, frozen=True):
+    """POST /v1/recycle."""
+
+    paths: Annotated[list[PathStr], Meta(min_length=1, max_length=MAX_ITEMS)]
+    op: EventType
+    mode: Mode = Mode.MOVE
+    purge: bool = False
+    db: Name | None = None
+    table: Name | None = None
+    partitions: Partitions | None = None
+    location: PathStr | None = None
+
+    def request(self) -> RecycleRequest:
+        """The store's request, checked by its own rules (a destructive op, ...)."""
+        req = RecycleRequest(
+            paths=self.paths,
+            mode=self.mode,
+            purge=self.purge,
+            op=self.op,
+            db=self.db,
+            table=self.table,
+            partitions=self.partitions or [],
+            location=self.location,
+        )
+        req.validate()
+        return req
+
+
+class Pair(Struct, forbid_unknown_fields=True, frozen=True):
+    path: PathStr
+    checksum: Checksum
+
+
+class ResolveBody(Struct, forbid_unknown_fields=True, frozen=True):
+    """POST /v1/resolve."""
+
+    files: Annotated[list[Pair], Meta(max_length=MAX_ITEMS)]
+
+    def pairs(self) -> list[dict[str, str]]:
+        return [{"path": p.path, "checksum": p.checksum} for p in self.files]
+
+
+class EventFile(Struct, forbid_unknown_fields=True, frozen=True):
+    """A file of a recorded event; without checksum and size the store hashes it."""
+
+    path: PathStr
+    checksum: Checksum | UnsetType = UNSET
+    size: Size | UnsetType = UNSET
+
+    def to_dict(self) -> dict[str, Any]:
+        # Only the keys given: the store tells "hash it for me" from "size 0" by them.
+        out: dict[str, Any] = {"path": self.path}
+        if self.checksum is not UNSET:
+            out["checksum"] = self.checksum
+        if self.size is not UNSET:
+            out["size"] = self.size
+        return out
+
+
+class EventBody(
+    Struct,
+    forbid_unknown_fields=True,
+    frozen=True,
+    rename={"type": "eventType", "table_json": "tableObj"},
+):
+    """POST /v1/events."""
+
+    type: EventType
+    db: Name | None = None
+    table: Name | None = None
+    partitions: Partitions | None = None
+    files: Annotated[list[EventFile], Meta(max_length=MAX_EVENT_FILES)] | None = None
+    server: Name | None = None
+    # Accepted because HCatalog messages carry it; the daemon stamps events with its clock.
+    timestamp: Annotated[float, Meta(ge=0, le=MAX_TIMESTAMP)] | None = None
+    location: PathStr | None = None
+    table_json: Raw = Raw(b"null")  # decoded by table_obj(), once its size is known
+
+    def table_obj(self) -> dict[str, Any] | None:
+        """The table definition, refused when over MAX_TABLE_OBJ bytes or
+        MAX_TABLE_OBJ_DEPTH levels: the event log must be able to page every event."""
+        raw = bytes(self.table_json)
+        if len(raw) > MAX_TABLE_OBJ:
+            raise BadRequest(
+                "bad tableObj",
+                f"{len(raw)} bytes of JSON: {_HINTS['tableObj']}",
+            )
+        try:
+            obj: dict[str, Any] | None = _TABLE_OBJ.decode(raw)
+        except (msgspec.ValidationError, RecursionError) as e:
+            raise BadRequest("bad tableObj", f"{_reason(e)}: {_HINTS['tableObj']}") from None
+        if obj is not None and _depth(obj) > MAX_TABLE_OBJ_DEPTH:
+            raise BadRequest("bad tableObj", f"nested too deep: {_HINTS['tableObj']}")
+        return obj
+
+
+_TABLE_OBJ = msgspec.json.Decoder(dict[str, Any] | None)
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of decoded JSON, walked without recursion."""
+    deepest = 0
+    todo: list[tuple[Any, int]] = [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        deepest = max(deepest, d)
+        if d > MAX_TABLE_OBJ_DEPTH:
+            break
+        if isinstance(v, dict):
+            todo.extend((c, d + 1) for c in v.values())
+        elif isinstance(v, list):
+            todo.extend((c, d + 1) for c in v)
+    return deepest
+
+
+# -- query strings -----------------------------------------------------------------------
+
+Page = Annotated[int, Meta(ge=1, le=1000)]
+EventId = Annotated[int, Meta(ge=0, le=2**62)]
+
+
+class FilesQuery(Struct, forbid_unknown_fields=True, frozen=True):
+    """GET /v1/files."""
+
+    path: PathStr
+    checksum: Checksum
+
+
+class EntriesQuery(Struct, forbid_unknown_fields=True, frozen=True):
+    """GET /v1/entries; cursor 0 is the first page."""
+
+    db: Name | None = None
+    table: Name | None = None
+    limit: Page = 100
+    cursor: EventId = 0
+
+
+class EventsQuery(Struct, forbid_unknown_fields=True, frozen=True, rename={"start": "from"}):
+    """GET /v1/events."""
+
+    start: EventId = 0
+    limit: Page = 100
+
+
+class EventFilesQuery(Struct, forbid_unknown_fields=True, frozen=True):
+    """GET /v1/events/{id}/files; after -1 is the first page."""
+
+    after: Annotated[int, Meta(ge=-1, le=2**62)] = -1
+    limit: Annotated[int, Meta(ge=1, le=100_000)] = 100_000
+
+
+class GcQuery(Struct, forbid_unknown_fields=True, frozen=True):
+    """POST /v1/gc."""
+
+    dry_run: bool = False
+
+
+class NoQuery(Struct, forbid_unknown_fields=True, frozen=True):
+    """Routes that take no parameters."""
+
+
+# -- decoding ----------------------------------------------------------------------------
+
+S = TypeVar("S", bound=Struct)
+_DECODERS: dict[type[Any], msgspec.json.Decoder[Any]] = {
+    cls: msgspec.json.Decoder(cls) for cls in (RecycleBody, ResolveBody, EventBody)
+}
+_INT = re.compile(r"-?[0-9]{1,19}")
+_BOOLS = {"true": True, "1": True, "false": False, "0": False}
+
+# The fix for each field, by its name (the last name in the field's path).
+_HINTS = {
+    "paths": f"give a non-empty list of absolute paths or URLs (at most {MAX_ITEMS})",
+    "path": f"give an absolute path or URL of at most {MAX_PATH} characters",
+    "op": f"use one of {', '.join(sorted(DESTRUCTIVE))}",
+    "eventType": f"use one of {', '.join(sorted(RECORDABLE))}",
+    "mode": 'use "move" or "copy"',
+    "purge": "use true or false",
+    "dry_run": "use true or false",
+    "db": f"give a name of at most {MAX_NAME} characters, or null",
+    "table": f"give a name of at most {MAX_NAME} characters, or null",
+    "server": f"give a name of at most {MAX_NAME} characters, or null",
+    "partitions": 'give a list of {"key": "value"} objects of strings',
+    "location": "give the table's location as an absolute path or URL, or null",
+    "checksum": "give an xxh3-128 checksum: 32 lowercase hex digits",
+    "size": f"give the size in bytes as a non-negative integer (at most {MAX_INT})",
+    "timestamp": "give seconds since the epoch, or leave it out (the daemon stamps events)",
+    "tableObj": (
+        f"give the table definition as a JSON object of at most {MAX_TABLE_OBJ} bytes and "
+        f"{MAX_TABLE_OBJ_DEPTH} levels, integers within 64 bits"
+    ),
+    "limit": "give an integer within the range",
+    "cursor": "give the integer cursor of the previous page, or leave it out",
+    "from": "give an integer event id (0 for the start of the log)",
+    "after": "give the integer filesNext of the previous page, or leave it out",
+}
+# What the store calls an item of `files` in its own refusals.
+_ITEM_WORDS: dict[type[Any], str] = {ResolveBody: "pair", EventBody: "file"}
+# Fixes that depend on the body: the files of a resolve and of an event differ.
+_BODY_HINTS: dict[type[Any], dict[str, str]] = {
+    ResolveBody: {"files": f'give a list of {{"path", "checksum"}} objects, at most {MAX_ITEMS}'},
+    EventBody: {
+        "files": 'give a list of {"path", "checksum", "size"} objects (or {"path"} alone to '
+        "have the daemon hash the file)"
+    },
+}
+
+
+def decode(raw: bytes, cls: type[S]) -> S:
+    """The body as `cls`, or BadRequest naming the field at fault and the fix."""
+    try:
+        out: S = _DECODERS[cls].decode(raw)
+    except msgspec.ValidationError as e:
+        raise _refusal(str(e), cls) from None
+    except msgspec.DecodeError as e:
+        raise BadRequest("malformed JSON", f"{e}: send one JSON object") from None
+    except UnicodeDecodeError as e:
+        raise BadRequest("malformed JSON", f"{e}: send UTF-8 encoded JSON") from None
+    except RecursionError:
+        raise BadRequest("JSON nested too deeply", "send a flat request body") from None
+    return out
+
+
+def decode_query(query: Iterable[tuple[str, str]], cls: type[S]) -> S:
+    """A query string's (name, value) pairs as `cls`: each parameter at most once, an
+    empty value means the default, integers in plain decimal (no `1e3`), booleans
+    true/false/1/0."""
+    info = msgspec.inspect.type_info(cls)
+    assert isinstance(info, msgspec.inspect.StructType)
+    types = {f.encode_name: f.type for f in info.fields}
+    values: dict[str, Any] = {}
+    seen: set[str] = set()
+    for key, value in query:
+        if key in seen:
+            raise BadRequest(f"bad {key[:_ECHO]}", "give each query parameter once")
+        seen.add(key)
+        if value == "":
+            continue
+        kind = types.get(key)
+        if isinstance(kind, msgspec.inspect.IntType) and _INT.fullmatch(value):
+            values[key] = int(value)
+        elif isinstance(kind, msgspec.inspect.BoolType) and value.lower() in _BOOLS:
+            values[key] = _BOOLS[value.lower()]
+        else:
+            values[key] = value
+    try:
+        return msgspec.convert(values, cls)
+    except msgspec.ValidationError as e:
+        raise _refusal(str(e), cls) from None
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, RecursionError):
+        return "nested too deep"
+    return str(e).replace("`$", "`tableObj")
+
+
+def _refusal(text: str, cls: type[Struct]) -> BadRequest:
+    """BadRequest from a msgspec message like "Expected `int` >= 0 - at `$.files[0].size`":
+    the message names the field (an item of `files` as the store does: "bad pair #0",
+    "bad file #0"), the detail its full path, what is wrong and the fix."""
+    hints = {**_HINTS, **_BODY_HINTS.get(cls, {})}
+    reason, _, where = text.partition(" - at `")
+    field = where.rstrip("`").removeprefix("$").removeprefix(".")
+    reason = reason if len(reason) <= _ECHO else reason[:_ECHO] + "..."
+    named = re.search(r"(unknown|missing required) field `(.*)`", reason)
+    known = ", ".join(f.encode_name for f in msgspec.structs.fields(cls))
+    if named is not None and named.group(1) == "unknown":
+        fix = hints.get(_last_name(field), "remove it") if field else f"known fields: {known}"
+        word, field = "unknown field", f"{field}.{named.group(2)}".strip(".")
+    elif named is not None:
+        word, field = "missing", f"{field}.{named.group(2)}".strip(".")
+        fix = hints.get(named.group(2), "")
+    elif not field:
+        return BadRequest("bad request body", f"{reason}: send a JSON object with {known}")
+    else:
+        # "unknown op", "unknown eventType": the store's words for a name outside the
+        # vocabulary.
+        word = "unknown" if reason.startswith("Invalid enum value") else "bad"
+        fix = hints.get(_last_name(field), "see the API")
+    item = re.match(r"files\[(\d+)\]", field)
+    if item is not None and cls in _ITEM_WORDS:
+        return BadRequest(
+            f"bad {_ITEM_WORDS[cls]} #{item.group(1)}", f"{word} {field}: {reason}: {fix}"
+        )
+    return BadRequest(f"{word} {field[:_ECHO]}", f"{reason}: {fix}")
+
+
+def _last_name(field: str) -> str:
+    names = re.findall(r"[A-Za-z_]+", field)
+    return names[-1] if names else ""
