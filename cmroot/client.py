@@ -66,6 +66,16 @@ class Recycled(_Answer):
 
 
 @dataclass(frozen=True)
+class PreparedTx(_Answer):
+    """The answer of a prepared recycle: its transaction, every file staged so far (all
+    its parts) and when the daemon rolls it back unless committed or renewed."""
+
+    txid: str
+    files: list[FileRef]
+    expires: float
+
+
+@dataclass(frozen=True)
 class Resolved(_Answer):
     """Where the bytes of one (path, checksum) are: status original, cmroot or missing."""
 
@@ -130,6 +140,37 @@ class Client:
         if progress:
             progress(len(out.files), len(out.files))
         return out
+
+    def prepare(
+        self, paths: list[str], txid: str | None = None, lease: float | None = None, **kw: Any
+    ) -> PreparedTx:
+        """First phase of a two-phase recycle (kw as for `recycle`): the files move into
+        staging, unseen until `commit`. `txid` adds them to that prepared transaction; if
+        they cannot join, the daemon rolls back the whole transaction."""
+        body = {"paths": paths, "prepare": True, "txid": txid, "lease": lease, **kw}
+        res = self._json("POST", "/v1/recycle", {k: v for k, v in body.items() if v is not None})
+        return PreparedTx(
+            res["txid"],
+            [FileRef(f["path"], f["checksum"], int(f["size"])) for f in res["files"]],
+            float(res["expires"]),
+        )
+
+    def commit(self, txid: str) -> Recycled:
+        """Publish a prepared transaction with its one event."""
+        res = self._json("POST", f"/v1/transactions/{txid}/commit", None)
+        return Recycled(
+            int(res["event_id"]),
+            [FileRef(f["path"], f["checksum"], int(f["size"])) for f in res["files"]],
+        )
+
+    def abort(self, txid: str) -> list[str]:
+        """Put every file of a prepared transaction back; returns the displaced paths."""
+        return list(self._json("POST", f"/v1/transactions/{txid}/abort", None)["displaced"])
+
+    def renew(self, txid: str, lease: float | None = None) -> float:
+        """Extend a prepared transaction's lease; returns its new deadline."""
+        body = {"lease": lease} if lease is not None else None
+        return float(self._json("POST", f"/v1/transactions/{txid}/renew", body)["expires"])
 
     def resolve(self, files: list[dict[str, str]]) -> Resolutions:
         """POST /v1/resolve, one answer per pair in order; any number of pairs: batches

@@ -34,7 +34,7 @@ from cmroot.metrics import Metrics, StoreCollector
 from cmroot.server import schemas
 from cmroot.server.auth import Tokens, loopback_host
 from cmroot.server.schemas import UnsupportedMediaType
-from cmroot.store import Store, Verified
+from cmroot.store import RecycleResult, Store, Verified
 from cmroot.store.sweep import SweepReport
 
 log = logging.getLogger("cmroot.server")
@@ -181,6 +181,9 @@ def create_app(service: Service, max_body: int) -> web.Application:
     app[SERVICE] = service
     r = app.router
     r.add_post("/v1/recycle", _scoped("write", recycle))
+    r.add_post(
+        "/v1/transactions/{txid}/{action:commit|abort|renew}", _scoped("write", transaction)
+    )
     r.add_post("/v1/resolve", _scoped("read", resolve))
     r.add_get("/v1/files", _scoped("read", files))  # aiohttp answers HEAD from GET routes
     r.add_get("/v1/entries", _scoped("read", entries))
@@ -307,16 +310,17 @@ def _query(request: web.Request, cls: type[schemas.S]) -> schemas.S:
 
 async def recycle(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
-    req = (await _body(request, schemas.RecycleBody)).request()
-    try:
-        result = await svc.run(svc.store.recycle, req)
-    except _REFUSED:
-        raise
-    except Exception:
-        svc.metrics.recycle_errors.inc()
-        raise
-    svc.metrics.recycled_files.labels(req.op).inc(len(result.files))
-    svc.metrics.recycled_bytes.labels(req.op).inc(sum(f.size for f in result.files))
+    body = await _body(request, schemas.RecycleBody)
+    req = body.request()
+    if body.prepare or body.txid is not None:
+        if not body.prepare:
+            raise BadRequest("txid without prepare", 'set "prepare": true to join a transaction')
+        prepared = await _counted(svc, svc.store.prepare, req, body.lease, body.txid)
+        log.info("prepared", extra={"txid": prepared.txid, "op": req.op, "db": req.db,
+                                    "table": req.table, "files": len(prepared.files)})
+        return _json(prepared.to_json())
+    result = await _counted(svc, svc.store.recycle, req)
+    _recycled(svc, result.op, result)
     log.info(
         "recycled",
         extra={
@@ -330,6 +334,39 @@ async def recycle(request: web.Request) -> web.Response:
     return _json(result.to_json())
 
 
+async def _counted(svc: Service, fn: Callable[..., T], *args: Any) -> T:
+    """Run a store write, counting failures that are not plain refusals."""
+    try:
+        return await svc.run(fn, *args)
+    except _REFUSED:
+        raise
+    except Exception:
+        svc.metrics.recycle_errors.inc()
+        raise
+
+
+def _recycled(svc: Service, op: str, result: RecycleResult) -> None:
+    svc.metrics.recycled_files.labels(op).inc(len(result.files))
+    svc.metrics.recycled_bytes.labels(op).inc(sum(f.size for f in result.files))
+
+
+async def transaction(request: web.Request) -> web.Response:
+    """POST /v1/transactions/{txid}/commit|abort|renew: the second phase."""
+    svc = request.app[SERVICE]
+    txid, action = request.match_info["txid"], request.match_info["action"]
+    if action == "commit":
+        result = await _counted(svc, svc.store.commit, txid)
+        _recycled(svc, result.op, result)
+        log.info("committed", extra={"txid": txid, "event_id": result.event_id,
+                                     "files": len(result.files)})
+        return _json(result.to_json())
+    if action == "abort":
+        displaced = await _counted(svc, svc.store.abort, txid)
+        log.info("aborted", extra={"txid": txid, "displaced": len(displaced)})
+        return _json({"txid": txid, "aborted": True, "displaced": displaced})
+    body = await _body(request, schemas.RenewBody) if request.can_read_body else None
+    expires = await svc.run(svc.store.renew, txid, body.lease if body else None)
+    return _json({"txid": txid, "expires": expires})
 async def resolve(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     body = await _body(request, schemas.ResolveBody)

@@ -236,6 +236,9 @@ class _Busy(asyncio.Protocol):
         transport.close()
 
 
+EXPIRE_EVERY = 5.0  # seconds between looks for prepared recycles past their lease
+
+
 def _scheduler(service: Service, interval: float) -> BackgroundScheduler:
     sched = BackgroundScheduler(timezone="UTC")
     sched.add_job(
@@ -250,7 +253,25 @@ def _scheduler(service: Service, interval: float) -> BackgroundScheduler:
         misfire_grace_time=None,
         next_run_time=datetime.datetime.now(datetime.timezone.utc),
     )
+    # Prepared (two-phase) recycles whose statement died go back within a few seconds of
+    # their lease; a separate job, so a long sweep never delays it.
+    sched.add_job(
+        _expire_prepared,
+        IntervalTrigger(seconds=EXPIRE_EVERY),
+        args=[service],
+        id="expire-prepared",
+        max_instances=1,
+        coalesce=True,
+        misfire_grace_time=None,
+    )
     return sched
+
+
+def _expire_prepared(service: Service) -> None:
+    try:
+        service.store.expire_prepared()
+    except Exception:
+        log.exception("rolling back expired prepared recycles failed; retried shortly")
 
 
 def _trigger(interval: float) -> IntervalTrigger:

@@ -40,6 +40,8 @@ Partition = Annotated[
     dict[Name, Annotated[str, Meta(max_length=MAX_VALUE)]], Meta(max_length=MAX_PARTITION_KEYS)
 ]
 Partitions = Annotated[list[Partition], Meta(max_length=MAX_ITEMS)]
+TxId = Annotated[str, Meta(pattern="^[0-9a-f]{32}$")]
+Lease = Annotated[float, Meta(ge=1, le=86400)]  # seconds (= store.recycle.MAX_LEASE)
 
 
 class UnsupportedMediaType(CmrootError):
@@ -59,6 +61,11 @@ class RecycleBody(Struct, forbid_unknown_fields=True, frozen=True):
     table: Name | None = None
     partitions: Partitions | None = None
     location: PathStr | None = None
+    # Two-phase: stage the files unseen (commit or abort them through /v1/transactions);
+    # `txid` adds them to a prepared transaction of the same statement.
+    prepare: bool = False
+    txid: TxId | None = None
+    lease: Lease | None = None
 
     def request(self) -> RecycleRequest:
         """The store's request, checked by its own rules (a destructive op, ...)."""
@@ -74,6 +81,12 @@ class RecycleBody(Struct, forbid_unknown_fields=True, frozen=True):
         )
         req.validate()
         return req
+
+
+class RenewBody(Struct, forbid_unknown_fields=True, frozen=True):
+    """POST /v1/transactions/{txid}/renew (the body is optional)."""
+
+    lease: Lease | None = None
 
 
 class Pair(Struct, forbid_unknown_fields=True, frozen=True):
@@ -213,7 +226,7 @@ class NoQuery(Struct, forbid_unknown_fields=True, frozen=True):
 
 S = TypeVar("S", bound=Struct)
 _DECODERS: dict[type[Any], msgspec.json.Decoder[Any]] = {
-    cls: msgspec.json.Decoder(cls) for cls in (RecycleBody, ResolveBody, EventBody)
+    cls: msgspec.json.Decoder(cls) for cls in (RecycleBody, ResolveBody, EventBody, RenewBody)
 }
 _INT = re.compile(r"-?[0-9]{1,19}")
 _BOOLS = {"true": True, "1": True, "false": False, "0": False}

@@ -135,6 +135,7 @@ class RecycledFile:
 class RecycleResult:
     event_id: int
     files: list[RecycledFile]
+    op: str = "DELETE"  # the event's type (for metrics; not part of the answer)
 
     def to_json(self) -> dict[str, Any]:
         return {"event_id": self.event_id, "files": [f.to_json() for f in self.files]}
@@ -177,7 +178,8 @@ class Recycler:
             self.objects.release(txid, {it.checksum for it in items if it.checksum})
         self._finish(txid, mode, items, dirs)
         return RecycleResult(
-            event_id, [RecycledFile(it.key, it.checksum or "", it.size) for it in items]
+            event_id, [RecycledFile(it.key, it.checksum or "", it.size) for it in items],
+            str(req.op),
         )
 
     def _plan(
@@ -433,7 +435,8 @@ class Recycler:
                 self.objects.release(txid, {it.checksum for it in items if it.checksum})
             self._finish(txid, mode, items, tx.dirs)
         return RecycleResult(
-            event_id, [RecycledFile(it.key, it.checksum or "", it.size) for it in items]
+            event_id, [RecycledFile(it.key, it.checksum or "", it.size) for it in items],
+            str(req.op),
         )
 
     def abort(self, txid: str) -> list[str]:

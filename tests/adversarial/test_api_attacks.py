@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from cmroot import checksum as cks
 from tests.server.cmroot_daemon import Daemon
 
@@ -37,7 +35,6 @@ def test_event_file_size_beyond_sqlite_integer_is_a_400(daemon: Daemon) -> None:
     assert r.status == 400, r
 
 
-@pytest.mark.xfail(strict=True, reason="two-phase recycle is issue 11 (statements all-or-nothing)")
 def test_two_phase_recycle_exists(daemon: Daemon) -> None:
     """DESIGN's API table: POST /v1/recycle with "prepare": true stages without
     publishing and returns a txid; POST /v1/transactions/{txid}/commit|abort|renew. It is
