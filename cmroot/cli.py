@@ -157,8 +157,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--warehouse-dir",
         metavar="DIR",
-        help="spark.sql.warehouse.dir to print (default: the first local warehouse root, "
-        "unless $SPARK_CONF_DIR/spark-defaults.conf sets one)",
+        help="spark.sql.warehouse.dir to print (default: the first local warehouse root when "
+        "--url is this config's daemon, unless $SPARK_CONF_DIR/spark-defaults.conf sets one)",
     )
 
     s = sub.add_parser("repl", parents=[common], help="replicate a database or table on Spark")
@@ -666,7 +666,10 @@ def _spark_conf(args: argparse.Namespace) -> int:
     config = _load(args)
     url = args.url or config.server.base_url
     conf = spark.spark_conf(url, args.token, fail_open=args.fail_open)
-    warehouse = args.warehouse_dir or _spark_warehouse(config)
+    # The local config's roots are that daemon's only when it is the daemon the URL names:
+    # for another one, a guessed warehouse dir would point Spark outside its roots.
+    own = args.url is None or args.url.rstrip("/") == config.server.base_url.rstrip("/")
+    warehouse = args.warehouse_dir or (_spark_warehouse(config) if own else None)
     if warehouse:
         conf["spark.sql.warehouse.dir"] = warehouse
     _out(args, conf, lambda c: "\n".join(spark.format_conf(c, args.format)))

@@ -327,6 +327,8 @@ def test_spark_conf_points_spark_at_the_first_local_warehouse_root(tmp_path: Pat
 
     assert conf()["spark.sql.warehouse.dir"] == f"{tmp_path}/wh"
     assert conf("--warehouse-dir", "/elsewhere")["spark.sql.warehouse.dir"] == "/elsewhere"
+    # Another daemon's roots are not in this config: no guess for it.
+    assert "spark.sql.warehouse.dir" not in conf("--url", "http://10.0.0.5:9750")
     # One the user set in spark-defaults.conf stands: no line overrides it.
     (tmp_path / "sconf").mkdir()
     (tmp_path / "sconf/spark-defaults.conf").write_text("spark.sql.warehouse.dir /mine\n")

@@ -34,8 +34,8 @@ def test_cli_prints_the_conf_lines() -> None:
     args = shlex.split(out)
     assert args[::2] == ["--conf"] * (len(args) // 2)
     conf = dict(a.split("=", 1) for a in args[1::2])
-    # The warehouse dir is the first local warehouse root of the (embedded) config.
-    assert conf.pop("spark.sql.warehouse.dir").startswith("/")
+    # Another daemon than the config's: its warehouse roots are unknown here, no guess.
+    assert "spark.sql.warehouse.dir" not in conf
     assert conf == cmspark.spark_conf("http://10.0.0.5:9750", "s3cret")
     assert conf["spark.cmroot.url"] == "http://10.0.0.5:9750"
     assert conf["spark.cmroot.token"] == "s3cret"
