@@ -160,11 +160,24 @@ class Recycler:
     def recycle(self, req: RecycleRequest, progress: Progress | None = None) -> RecycleResult:
         req, mode, items, dirs = self._plan(req, txid := uuid.uuid4().hex, 0)
         now = self.clock()
-        try:
+
+        def stage() -> None:
             self.journal.begin(txid, now, mode, req.to_json(), dirs, items)
             with self.journal.sessions() as sessions:
                 self._stage_all(txid, items, sessions, progress, publish=True)
             faults.point("recycle.staged")
+
+        return self._complete(txid, req, mode, items, dirs, now, stage)
+
+    def _complete(
+        self, txid: str, req: RecycleRequest, mode: Mode, items: list[Item], dirs: Sequence[str],
+        now: float, publish: Callable[[], None],
+    ) -> RecycleResult:
+        """Run `publish` (whatever makes every file an object), flush, then record the
+        event and entries and mark the transaction committed; any failure rolls it all
+        back. Clean-up follows the commit."""
+        try:
+            publish()
             sync_filesystem(self.layout.root)
             faults.point("recycle.flushed")
             event_id = self.journal.commit(txid, mode, self._event(req, items, now),
@@ -361,41 +374,45 @@ class Recycler:
         is rolled back, every earlier part included: a statement is one unit."""
         until = self.clock() + _lease(lease)
         if txid is None:
-            txid = uuid.uuid4().hex
-            req, mode, items, dirs = self._plan(req, txid, 0)
-            with self._tx_lock(txid):
-                try:
-                    self.journal.begin(txid, self.clock(), mode, req.to_json(), dirs, items)
-                except faults.Crash:
-                    raise
-                except BaseException as e:
-                    self._abort(txid, req, items, self.clock(), e)
-                    raise
-                return self._stage_prepared(txid, req, mode, [], items, until, progress)
-        with self._tx_lock(txid):
-            tx = self._prepared(txid)
+            new = uuid.uuid4().hex
+            req, mode, items, dirs = self._plan(req, new, 0)
+            with self._tx_lock(new):
+                return self._stage_prepared(
+                    new, req, [], items, until, progress,
+                    lambda: self.journal.begin(new, self.clock(), mode, req.to_json(), dirs,
+                                               items),
+                )
+        joined = txid
+        with self._tx_lock(joined):
+            tx = self._prepared(joined)
             earlier = self.journal.items_of(tx)
             merged = RecycleRequest.from_json(tx.request)
             try:
                 req, mode, items, dirs = self._plan(
-                    req, txid, 1 + max((it.seq for it in earlier), default=-1)
+                    req, joined, 1 + max((it.seq for it in earlier), default=-1)
                 )
                 merged = _merge(merged, req)
+            except BaseException as e:
+                self._abort(joined, merged, earlier, self.clock(), e)
+                raise
+
+            def join() -> None:
                 if not self.index.journal_join(
-                    txid, merged.to_json(), list(dict.fromkeys([*tx.dirs, *dirs])),
+                    joined, merged.to_json(), list(dict.fromkeys([*tx.dirs, *dirs])),
                     ((it.seq, it.key, it.staged, it.method) for it in items),
                 ):
-                    raise _gone(txid)
-            except BaseException as e:
-                self._abort(txid, merged, earlier, self.clock(), e)
-                raise
-            return self._stage_prepared(txid, merged, mode, earlier, items, until, progress)
+                    raise _gone(joined)
+
+            return self._stage_prepared(joined, merged, earlier, items, until, progress, join)
 
     def _stage_prepared(
-        self, txid: str, req: RecycleRequest, mode: Mode, earlier: list[Item],
-        items: list[Item], until: float, progress: Progress | None,
+        self, txid: str, req: RecycleRequest, earlier: list[Item], items: list[Item],
+        until: float, progress: Progress | None, record: Callable[[], None],
     ) -> Prepared:
+        """`record` the new part in the journal, stage and hash it, then mark the whole
+        transaction prepared; any failure rolls back every part."""
         try:
+            record()
             with self.journal.sessions() as sessions:
                 self._stage_all(txid, items, sessions, progress, publish=False)
             self.index.journal_prepared(
@@ -416,28 +433,14 @@ class Recycler:
         """Publish a prepared transaction's files and record them with their one event."""
         with self._tx_lock(txid):
             tx = self._prepared(txid)
-            req, mode = RecycleRequest.from_json(tx.request), Mode(tx.mode)
             items = self.journal.items_of(tx)
-            now = self.clock()
-            try:
+
+            def publish() -> None:
                 for it in items:
                     self._publish(txid, it, os.lstat(it.staged).st_nlink)
-                sync_filesystem(self.layout.root)
-                faults.point("recycle.flushed")
-                event_id = self.journal.commit(txid, mode, self._event(req, items, now),
-                                               self._entries(req, items, now), items)
-            except faults.Crash:
-                raise
-            except BaseException as e:
-                self._abort(txid, req, items, now, e)
-                raise
-            finally:
-                self.objects.release(txid, {it.checksum for it in items if it.checksum})
-            self._finish(txid, mode, items, tx.dirs)
-        return RecycleResult(
-            event_id, [RecycledFile(it.key, it.checksum or "", it.size) for it in items],
-            str(req.op),
-        )
+
+            return self._complete(txid, RecycleRequest.from_json(tx.request), Mode(tx.mode),
+                                  items, tx.dirs, self.clock(), publish)
 
     def abort(self, txid: str) -> list[str]:
         """Put every file of a prepared transaction back. Returns the displaced paths
@@ -459,10 +462,10 @@ class Recycler:
         n = 0
         for txid in self.index.expired_prepared(self.clock()):
             with self._tx_lock(txid):
-                found = self.index.pending(txid)
-                if not found or found[0].state != TxState.PREPARED:
+                try:
+                    tx = self._prepared(txid)
+                except NotFound:
                     continue  # committed or aborted while we waited
-                tx = found[0]
                 if tx.lease is not None and tx.lease >= self.clock():
                     continue  # renewed meanwhile
                 log.warning("prepared recycle not committed within its lease: rolled back",

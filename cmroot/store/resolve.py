@@ -135,19 +135,11 @@ def _stat(loc: Located) -> _Original | None:
     if loc.local:
         if loc.statted and loc.st is None:
             return None  # confining it just found no regular file there
-        fd = read.open_original(loc)
-        if fd is None:
+        opened = _open_regular(loc)
+        if opened is None:
             return None
-        try:
-            st = os.fstat(fd)
-        except OSError as e:
-            if e.errno in read.VANISHED:
-                return None
-            raise
-        finally:
-            os.close(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return None
+        fd, st = opened
+        os.close(fd)
         ident = ident_of(st)
         return _Original(loc, st.st_size, ident_str(ident), read.settled(ident))
     try:
@@ -168,13 +160,11 @@ def _hash(o: _Original) -> tuple[str | None, str] | None:
             return o.ident, cks.of_file(o.loc.root.fs, o.loc.path)
         except (FileNotFoundError, NotADirectoryError):
             return None
-    fd = read.open_original(o.loc)
-    if fd is None:
+    opened = _open_regular(o.loc)
+    if opened is None:
         return None
+    fd, st = opened
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return None
         before = ident_of(st)
         if ident_str(before) != o.ident:
             return None  # replaced since it was looked at: answer for neither version
@@ -188,3 +178,22 @@ def _hash(o: _Original) -> tuple[str | None, str] | None:
         raise
     finally:
         os.close(fd)
+
+
+def _open_regular(loc: Located) -> tuple[int, os.stat_result] | None:
+    """A descriptor of the local original at `loc` (confined, no symlink followed) and its
+    fstat; None unless a regular file is there. The caller closes the descriptor."""
+    fd = read.open_original(loc)
+    if fd is None:
+        return None
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in read.VANISHED:
+            return None
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    return fd, st
