@@ -49,11 +49,8 @@ def ok_json(p: subprocess.CompletedProcess[bytes], code: int = 0) -> Any:
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[Daemon]:
     d = Daemon(tmp_path / "d")
-    d.start()
-    try:
+    with d.serving(check_errors=False):
         yield d
-    finally:
-        d.close()
 
 
 def _table(d: Daemon) -> dict[str, bytes]:

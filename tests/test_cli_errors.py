@@ -22,11 +22,8 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     d = Daemon(tmp_path_factory.mktemp("cli-errors") / "d")
-    d.start()
-    try:
+    with d.serving(check_errors=False):
         yield d
-    finally:
-        d.close()
 
 
 def one_line_error(p: subprocess.CompletedProcess[bytes], code: int, *words: str) -> str:

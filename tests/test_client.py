@@ -44,11 +44,8 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[Daemon]:
     d = Daemon(tmp_path / "d", env={"CMROOT_SERVER_MAX_BODY": "65536"})
-    d.start()
-    try:
+    with d.serving(check_errors=False):
         yield d
-    finally:
-        d.close()
 
 
 def test_every_call(daemon: Daemon) -> None:

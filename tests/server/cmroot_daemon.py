@@ -17,7 +17,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -204,6 +204,18 @@ class Daemon:
             self.proc.kill()
             self.proc.wait()
             raise AssertionError(f"daemon ignored SIGTERM for {timeout}s:\n{self.log()}") from None
+
+    @contextlib.contextmanager
+    def serving(self, check_errors: bool = True) -> Iterator[Daemon]:
+        """Started here and closed on exit (a fixture's whole life); with `check_errors`,
+        no error-level log line may have appeared meanwhile."""
+        self.start()
+        try:
+            yield self
+            if check_errors:
+                assert self.errors() == [], self.log()
+        finally:
+            self.close()
 
     def kill(self) -> None:
         """kill -9."""

@@ -35,12 +35,8 @@ def lake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     mixed.mkdir()
     (mixed / "plain").write_bytes(b"plain file beside an escaping symlink")
     os.symlink(d.outside / "secret", mixed / "escape")
-    d.start()
-    try:
+    with d.serving():
         yield d
-        assert d.errors() == [], d.log()
-    finally:
-        d.close()
 
 
 def _paths(d: Daemon) -> dict[str, str]:
@@ -341,11 +337,8 @@ def odd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     write_files(d.warehouse, {"db.db/t/file": b"a regular file", "db.db/d/f": b"in a dir"})
     os.symlink("loop", d.warehouse / "db.db/loop")
     os.mkfifo(d.warehouse / "db.db/fifo")
-    d.start()
-    try:
+    with d.serving(check_errors=False):
         yield d
-    finally:
-        d.close()
 
 
 def _odd_paths(d: Daemon) -> dict[str, str]:

@@ -43,12 +43,8 @@ def lake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         },
     )
     write_files(d.outside, {"secret": b"outside"})
-    d.start()
-    try:
+    with d.serving():
         yield d
-        assert d.errors() == [], d.log()
-    finally:
-        d.close()
 
 
 def _event(d: Daemon, event_id: int) -> dict[str, Any]:

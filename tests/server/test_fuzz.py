@@ -351,12 +351,8 @@ def test_fuzz_query_strings(lake: Daemon, strategies: dict[str, Any]) -> None:
 def roomy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     d = Daemon(tmp_path_factory.mktemp("nasty"))
     write_files(d.warehouse, {"db.db/t/p=0/f": b"stays put" * 10})
-    d.start()
-    try:
+    with d.serving():
         yield d
-        assert d.errors() == [], d.log()
-    finally:
-        d.close()
 
 
 def _nasty(d: Daemon) -> list[tuple[str, bytes]]:

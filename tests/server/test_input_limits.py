@@ -27,24 +27,16 @@ def lake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     write_files(d.warehouse, {"db.db/t/p=1/good": GOOD})
     write_files(d.outside, {"secret": b"secret"})
     os.symlink(d.outside / "secret", d.warehouse / "db.db/escape")
-    d.start()
-    try:
+    with d.serving():
         yield d
-        assert d.errors() == [], d.log()
-    finally:
-        d.close()
 
 
 @pytest.fixture(scope="module")
 def open_lake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """No tokens configured: loopback-open mode."""
     d = Daemon(tmp_path_factory.mktemp("open"), auth=False)
-    d.start()
-    try:
+    with d.serving():
         yield d
-        assert d.errors() == [], d.log()
-    finally:
-        d.close()
 
 
 def _good(d: Daemon) -> str:
