@@ -52,6 +52,12 @@ class PayloadTooLarge(CmrootError):
     status = 413
 
 
+class UnsupportedMediaType(CmrootError):
+    """A POST body that is not `application/json` (what a cross-site form can send)."""
+
+    status = 415
+
+
 class ConfigError(CmrootError):
     """Invalid configuration; the message names the key and the fix."""
 
@@ -97,6 +103,7 @@ _BY_STATUS: dict[int, type[CmrootError]] = {
     404: NotFound,
     409: Conflict,
     413: PayloadTooLarge,
+    415: UnsupportedMediaType,
     507: StoreFull,
     503: DaemonUnavailable,
 }

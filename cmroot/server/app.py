@@ -29,11 +29,11 @@ from cmroot.exceptions import (
     NotFound,
     OutsideRoots,
     PayloadTooLarge,
+    UnsupportedMediaType,
 )
 from cmroot.metrics import Metrics, StoreCollector
 from cmroot.server import schemas
 from cmroot.server.auth import Tokens, loopback_host
-from cmroot.server.schemas import UnsupportedMediaType
 from cmroot.store import RecycleResult, Store, Verified
 from cmroot.store.sweep import SweepReport
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import UNSET, Meta, Raw, Struct, UnsetType
 
-from cmroot.exceptions import BadRequest, CmrootError
+from cmroot.exceptions import BadRequest
 from cmroot.store import RecycleRequest
 from cmroot.vocab import DESTRUCTIVE, RECORDABLE, EventType, Mode
 
@@ -42,12 +42,6 @@ Partition = Annotated[
 Partitions = Annotated[list[Partition], Meta(max_length=MAX_ITEMS)]
 TxId = Annotated[str, Meta(pattern="^[0-9a-f]{32}$")]
 Lease = Annotated[float, Meta(ge=1, le=86400)]  # seconds (= store.recycle.MAX_LEASE)
-
-
-class UnsupportedMediaType(CmrootError):
-    """A POST body that is not `application/json` (what a cross-site form can send)."""
-
-    status = 415
 
 
 class RecycleBody(Struct, forbid_unknown_fields=True, frozen=True):
