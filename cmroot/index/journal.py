@@ -64,18 +64,28 @@ class JournalTables(Catalog, EventLog):
         return True
 
     def journal_prepared(
-        self, txid: str, lease: float, rows: Iterable[tuple[int, str, int]]
+        self, txid: str, lease: float, rows: Iterable[tuple[int, str, int, str | None]]
     ) -> None:
         """Every file of the transaction is staged and hashed: record (seq, checksum,
-        size) and wait for commit or abort until `lease` (a time)."""
+        size, identity of a copied source) and wait for commit or abort until `lease` (a
+        time; a later part never shortens the statement's lease)."""
         with self.transaction() as db:
             db.executemany(
-                "UPDATE journal SET checksum = ?, size = ? WHERE txid = ? AND seq = ?",
-                ((c, size, txid, seq) for seq, c, size in rows),
+                "UPDATE journal SET checksum = ?, size = ?, ident = ? WHERE txid = ? AND seq = ?",
+                ((c, size, ident, txid, seq) for seq, c, size, ident in rows),
             )
             db.execute(
-                "UPDATE txs SET state = ?, lease = ? WHERE txid = ?",
+                "UPDATE txs SET state = ?, lease = max(coalesce(lease, 0), ?) WHERE txid = ?",
                 (TxState.PREPARED.value, lease, txid),
+            )
+
+    def journal_reopen(self, txid: str) -> None:
+        """A prepared transaction is being rolled back: open again, so a crash meanwhile
+        is rolled back by recovery and a late commit finds nothing to commit."""
+        with self.transaction() as db:
+            db.execute(
+                "UPDATE txs SET state = ? WHERE txid = ? AND state = ?",
+                (TxState.OPEN.value, txid, TxState.PREPARED.value),
             )
 
     def journal_renew(self, txid: str, lease: float) -> bool:

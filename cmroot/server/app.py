@@ -312,9 +312,12 @@ async def recycle(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     body = await _body(request, schemas.RecycleBody)
     req = body.request()
-    if body.prepare or body.txid is not None:
+    if body.prepare or body.txid is not None or body.lease is not None:
         if not body.prepare:
-            raise BadRequest("txid without prepare", 'set "prepare": true to join a transaction')
+            raise BadRequest(
+                "txid or lease without prepare",
+                'set "prepare": true for a two-phase recycle (a plain one has no lease)',
+            )
         prepared = await _counted(svc, svc.store.prepare, req, body.lease, body.txid)
         log.info("prepared", extra={"txid": prepared.txid, "op": req.op, "db": req.db,
                                     "table": req.table, "files": len(prepared.files)})

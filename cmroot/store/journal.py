@@ -159,6 +159,7 @@ class Journal:
     ) -> list[str]:
         """Undo an open transaction. Returns the keys of displaced files (kept in the store
         without an event). Raises if a file cannot be put back; the caller quarantines."""
+        self.index.journal_reopen(txid)  # a prepared one: no longer committable from here
         displaced: list[Item] = []
         with self.sessions() as sessions:
             for it in items:

@@ -37,7 +37,7 @@ class Objects:
         `private`, the object gets a copy of the bytes rather than the staged inode."""
         obj = self.layout.object_path(checksum)
         if private:
-            staged = self._private_copy(staged)
+            staged = self.private_copy(staged, checksum)
         with self._lock:
             self._claims.setdefault(checksum, set()).add(txid)
             try:
@@ -63,13 +63,27 @@ class Objects:
         return True
 
     @staticmethod
-    def _private_copy(staged: str) -> str:
-        """A copy of `staged` beside it (fsynced): what gets linked as the object."""
+    def private_copy(staged: str, checksum: str) -> str:
+        """A copy of `staged` beside it, fsynced and hashing to `checksum`: what gets
+        linked as the object of a file with other names in the warehouse. Made once (a
+        prepared recycle makes it when it hashes the file; its commit reuses it); a copy
+        whose bytes differ (written through another name since the hash) is refused."""
         copy = f"{staged}.private"
-        with open(staged, "rb") as src, open(copy, "wb") as dst:
+        if os.path.exists(copy):
+            return copy
+        tmp = f"{copy}.tmp"
+        with open(staged, "rb") as src, open(tmp, "wb") as dst:
             shutil.copyfileobj(src, dst, cks.CHUNK)
             dst.flush()
             os.fsync(dst.fileno())
+        if cks.of_local_file(tmp) != checksum:
+            os.unlink(tmp)
+            raise Conflict(
+                "a file changed while it was recycled",
+                f"{staged} was written to (through another hard link) after it was hashed:"
+                " the recycle is rolled back; try again",
+            )
+        os.rename(tmp, copy)
         return copy
 
     def _heal(self, checksum: str, staged: str, obj: str) -> None:

@@ -336,6 +336,10 @@ class Recycler:
             it.size = st.st_size
         if publish:
             self._publish(txid, it, st.st_nlink)
+        elif st.st_nlink > 1:
+            # Prepared: copy a hard-linked file's bytes now, while they are the ones just
+            # hashed, not at commit, after the statement's other names may have changed.
+            self.objects.private_copy(it.staged, it.checksum)
 
     def _publish(self, txid: str, it: Item, nlink: int) -> None:
         assert it.checksum is not None
@@ -385,6 +389,7 @@ class Recycler:
         joined = txid
         with self._tx_lock(joined):
             tx = self._prepared(joined)
+            until = max(until, tx.lease or 0.0)  # a part never shortens the statement's lease
             earlier = self.journal.items_of(tx)
             merged = RecycleRequest.from_json(tx.request)
             try:
@@ -392,6 +397,9 @@ class Recycler:
                     req, joined, 1 + max((it.seq for it in earlier), default=-1)
                 )
                 merged = _merge(merged, req)
+                # Copy mode leaves sources in place: a file named by two parts is one file.
+                known = {it.key for it in earlier}
+                items = [it for it in items if it.key not in known]
             except BaseException as e:
                 self._abort(joined, merged, earlier, self.clock(), e)
                 raise
@@ -416,7 +424,7 @@ class Recycler:
             with self.journal.sessions() as sessions:
                 self._stage_all(txid, items, sessions, progress, publish=False)
             self.index.journal_prepared(
-                txid, until, ((it.seq, it.checksum or "", it.size) for it in items)
+                txid, until, ((it.seq, it.checksum or "", it.size, it.ident) for it in items)
             )
         except faults.Crash:
             raise
@@ -462,10 +470,10 @@ class Recycler:
         n = 0
         for txid in self.index.expired_prepared(self.clock()):
             with self._tx_lock(txid):
-                try:
-                    tx = self._prepared(txid)
-                except NotFound:
+                found = self.index.pending(txid)
+                if not found or found[0].state != TxState.PREPARED:
                     continue  # committed or aborted while we waited
+                tx = found[0]
                 if tx.lease is not None and tx.lease >= self.clock():
                     continue  # renewed meanwhile
                 log.warning("prepared recycle not committed within its lease: rolled back",
@@ -496,10 +504,17 @@ class Recycler:
             ) from e
 
     def _prepared(self, txid: str) -> PendingTx:
+        """A prepared transaction still within its lease. One whose lease has passed is
+        rolled back here and now, whether or not the expiry job got to it yet: the answer
+        to a late commit never depends on timing."""
         found = self.index.pending(txid) if _TXID.fullmatch(txid) else []
         if not found or found[0].state != TxState.PREPARED:
             raise _gone(txid)
-        return found[0]
+        tx = found[0]
+        if tx.lease is not None and tx.lease < self.clock():
+            self._roll_back(tx)
+            raise _gone(txid)
+        return tx
 
     @contextmanager
     def _tx_lock(self, txid: str) -> Iterator[None]:
