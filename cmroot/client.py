@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import ssl
 import threading
 import time
@@ -100,20 +101,33 @@ class Resolutions(_Answer):
 
 
 class Client:
+    """`url` is `http(s)://host:port`, or `unix:///path/to/socket` for the daemon's
+    `server.socket`; `socket` (a path) reaches an http URL's daemon through that socket."""
+
     def __init__(
         self,
         url: str,
         token: str | None = None,
         timeout: float = 600.0,
         ssl_context: ssl.SSLContext | None = None,
+        socket: str | None = None,
     ) -> None:
         parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise CmrootError("bad daemon URL", f"{url!r}: write http://host:port")
+        if parts.scheme == "unix" and not socket:
+            socket = parts.path
+            if parts.netloc or not socket.startswith("/"):
+                raise CmrootError(
+                    "bad daemon URL", f"{url!r}: write unix:///absolute/path/to/socket"
+                )
+        elif parts.scheme not in ("http", "https") or not parts.hostname:
+            raise CmrootError(
+                "bad daemon URL", f"{url!r}: write http://host:port or unix:///path/to/socket"
+            )
         self.url = url.rstrip("/")
         self._https = parts.scheme == "https"
-        self._host = parts.hostname
+        self._host = parts.hostname or "localhost"
         self._port = parts.port or (443 if self._https else 80)
+        self._socket = socket
         self._token = token
         self._timeout = timeout
         self._ssl = ssl_context
@@ -370,7 +384,9 @@ class Client:
     def _connection(self) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            if self._https:
+            if self._socket:
+                conn = _UnixConnection(self._socket, self._host, self._timeout)
+            elif self._https:
                 conn = http.client.HTTPSConnection(
                     self._host, self._port, timeout=self._timeout, context=self._ssl
                 )
@@ -384,3 +400,22 @@ class Client:
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP over a Unix socket; the Host header still names `host` (localhost for a
+    unix:// URL)."""
+
+    def __init__(self, path: str, host: str, timeout: float) -> None:
+        super().__init__(host, timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(self._path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock

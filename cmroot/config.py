@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import pwd
 import re
 import sys
 import xml.etree.ElementTree as ET
@@ -96,6 +97,10 @@ class ServerConfig:
     tls_cert: str = ""
     tls_key: str = ""
     max_body: int = 64 << 20
+    # A Unix socket the daemon also listens on ("" = none), and the users (uids or names)
+    # it serves there in open mode; empty: the daemon's own user and root.
+    socket: str = ""
+    socket_uids: tuple[int, ...] = ()
 
     @property
     def base_url(self) -> str:
@@ -278,6 +283,8 @@ def _build(raw: dict[str, dict[str, Any]], source: str) -> Config:
         tls_cert=str(srv.get("tls_cert", "")),
         tls_key=str(srv.get("tls_key", "")),
         max_body=max_body,
+        socket=_socket_path(srv.get("socket", "")),
+        socket_uids=tuple(_uid(u) for u in _listed(srv.get("socket_uids", []))),
     )
     if bool(server.tls_cert) != bool(server.tls_key):
         raise ConfigError("server.tls_cert and server.tls_key go together", "set both or neither")
@@ -293,6 +300,53 @@ def _build(raw: dict[str, dict[str, Any]], source: str) -> Config:
         index=IndexConfig(path=index_path),
         auth=AuthConfig(tokens=tuple(str(t) for t in tokens)),
         source=source,
+    )
+
+
+# sun_path holds 108 bytes with its terminating NUL.
+_MAX_SOCKET_PATH = 107
+
+
+def _socket_path(value: object) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(
+            "bad value for server.socket", 'write an absolute path, or "" for none'
+        )
+    if not value:
+        return ""
+    if "\0" in value or not os.path.isabs(value):
+        raise ConfigError(
+            "server.socket must be absolute", f"{value!r}: write a full path such as "
+            "/run/cmroot/cmroot.sock"
+        )
+    if len(os.fsencode(value)) > _MAX_SOCKET_PATH:
+        raise ConfigError(
+            "server.socket is too long",
+            f"{value[:200]!r}: a Unix socket path holds at most {_MAX_SOCKET_PATH} bytes; "
+            "use a shorter one such as /run/cmroot/cmroot.sock",
+        )
+    return os.path.normpath(value)
+
+
+def _listed(value: object) -> list[object]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _uid(value: object) -> int:
+    """A uid from a number or a user name (resolved now: a typo stops the daemon at start
+    rather than locking its users out)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    if isinstance(value, str) and value.strip():
+        try:
+            return pwd.getpwnam(value.strip()).pw_uid
+        except KeyError:
+            pass
+    raise ConfigError(
+        "bad value for server.socket_uids",
+        f"{value!r} is not a uid or a known user name: list uids or user names",
     )
 
 

@@ -33,7 +33,7 @@ from cmroot.exceptions import (
 )
 from cmroot.metrics import Metrics, StoreCollector
 from cmroot.server import schemas
-from cmroot.server.auth import Tokens, loopback_host
+from cmroot.server.auth import Tokens, local_request
 from cmroot.store import RecycleResult, Store, Verified
 from cmroot.store.sweep import SweepReport
 
@@ -263,7 +263,9 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     bodies are taken. In open mode (no tokens) a page served from a name rebound to
     127.0.0.1 could read the answers too: only loopback Host names are served."""
     svc = request.app[SERVICE]
-    if not svc.tokens.enabled and not loopback_host(request.headers.get(hdrs.HOST)):
+    if not svc.tokens.enabled and not local_request(
+        request.headers.get(hdrs.HOST), request.transport
+    ):
         raise Forbidden(
             "Host is not a loopback name",
             "open mode (no auth.tokens) serves only Host localhost, 127.0.0.0/8 or [::1]; "

@@ -3,17 +3,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import ipaddress
 import re
 import secrets
+import socket
+import struct
 from collections.abc import Iterable
+from typing import Any
 
 from cmroot.exceptions import ConfigError, Forbidden, Unauthorized
 
 SCOPES = ("read", "write", "admin")
 # A Host header: a bracketed IPv6 address or a name/IPv4 address, with an optional port.
 _HOST = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[^:\[\]]+))(?::[0-9]{1,5})?")
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 
 
 def hash_token(token: str) -> str:
@@ -80,3 +85,28 @@ def loopback_host(host: str | None) -> bool:
         return False  # IPv6 only in brackets, IPv4 never
     mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
     return addr.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def unix_peer_uid(transport: asyncio.BaseTransport | None) -> int | None:
+    """The uid of the process at the other end of a Unix-socket connection, as the kernel
+    recorded it at connect (SO_PEERCRED: the client cannot forge it); None when the
+    transport is not a Unix socket."""
+    sock = _unix_socket(transport)
+    if sock is None:
+        return None
+    _, uid, _ = _UCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    )
+    return int(uid)
+
+
+def local_request(host: str | None, transport: asyncio.BaseTransport | None) -> bool:
+    """Whether open mode may serve a request: one over the Unix socket (no web page can
+    reach it, and the daemon admits only `server.socket_uids` there), or one whose Host is
+    a loopback name (`loopback_host`)."""
+    return _unix_socket(transport) is not None or loopback_host(host)
+
+
+def _unix_socket(transport: asyncio.BaseTransport | None) -> Any:
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    return sock if sock is not None and sock.family == socket.AF_UNIX else None

@@ -11,9 +11,13 @@ import logging
 import os
 import resource
 import signal
+import socket
 import ssl
+import stat
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import replace
 
 from aiohttp import web
@@ -25,7 +29,7 @@ from prometheus_client import CollectorRegistry
 from cmroot import config as cfg
 from cmroot.exceptions import ConfigError, Conflict
 from cmroot.server.app import Handler, Service, create_app
-from cmroot.server.auth import Tokens
+from cmroot.server.auth import Tokens, unix_peer_uid
 from cmroot.server.systemd import Notifier
 from cmroot.store import Store
 
@@ -49,6 +53,8 @@ _BUSY = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
     b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(_BUSY_BODY)
 ) + _BUSY_BODY
+SOCKET_MODE = 0o660  # the daemon's user and group may connect to server.socket
+REFUSED_LINGER = 5.0  # seconds a refused Unix-socket client has to read its 403
 
 
 def serve(config: cfg.Config, host: str | None = None, port: int | None = None) -> int:
@@ -236,6 +242,157 @@ class _Busy(asyncio.Protocol):
         transport.close()
 
 
+class _UnixGate:
+    """The protocol factory of the Unix socket. In open mode (no tokens) a connection
+    whose peer uid (SO_PEERCRED) is not in `uids` gets a 403 and none of its requests
+    reaches aiohttp; the others go on to the same connection cap as TCP. With tokens,
+    tokens decide, as on TCP."""
+
+    def __init__(self, listener: _Listener, service: Service, uids: frozenset[int]) -> None:
+        self.listener = listener
+        self.service = service
+        self.uids = uids
+
+    def __call__(self) -> asyncio.BaseProtocol:
+        return _PeerCheck(self)
+
+    def admits(self, transport: asyncio.BaseTransport) -> bool:
+        return self.service.tokens.enabled or unix_peer_uid(transport) in self.uids
+
+    def drop_refused(self) -> None:
+        """Close the Unix-socket connections a reload to open mode no longer admits (they
+        came in with tokens, which no longer exist)."""
+        server = self.listener.runner.server
+        for h in list(server.connections if server is not None else ()):
+            t = h.transport
+            if t is not None and unix_peer_uid(t) is not None and not self.admits(t):
+                h.force_close()
+
+
+class _PeerCheck(asyncio.Protocol):
+    """A Unix-socket connection's first protocol: it looks at the peer, then hands the
+    transport to aiohttp (through the connection cap) or answers 403. A refused client's
+    request is read and discarded until it closes (for at most REFUSED_LINGER seconds):
+    closing on unread bytes would reset the connection, and the client could lose the
+    answer that says why."""
+
+    def __init__(self, gate: _UnixGate) -> None:
+        self.gate = gate
+        self.linger: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        if self.gate.admits(transport):
+            inner = self.gate.listener()
+            transport.set_protocol(inner)
+            inner.connection_made(transport)
+            return
+        uid = unix_peer_uid(transport)
+        log.warning(
+            "refused a Unix-socket connection",
+            extra={"uid": uid, "fix": "add the uid to server.socket_uids, or use tokens"},
+        )
+        body = json.dumps(
+            {
+                "error": "user not allowed on this socket",
+                "detail": f"uid {uid} is not in the daemon's server.socket_uids: add it "
+                "there, or configure auth.tokens and send a token",
+            }
+        ).encode()
+        transport.write(
+            b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        transport.write_eof()
+        self.linger = asyncio.get_running_loop().call_later(REFUSED_LINGER, transport.abort)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # a refused client's request: never parsed, never run
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.linger is not None:
+            self.linger.cancel()
+
+
+def _socket_uids(server: cfg.ServerConfig) -> frozenset[int]:
+    """server.socket_uids, by default the daemon's own user and root."""
+    return frozenset(server.socket_uids or (os.getuid(), 0))
+
+
+def _bind_unix(path: str) -> tuple[socket.socket, tuple[int, int]]:
+    """A socket bound at `path` with SOCKET_MODE, and the (device, inode) of its file.
+    It is bound in a private directory beside `path`, given its mode there, then linked
+    into place (link, unlike rename, never replaces what is at `path`): no client ever
+    finds it with a looser mode. A socket already at `path` is removed only when nothing
+    listens on it (a daemon that died left it); anything else there is refused, untouched."""
+    _remove_stale(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        private = tempfile.mkdtemp(prefix=".cmroot-", dir=os.path.dirname(path))
+        tmp = os.path.join(private, "s")
+        try:
+            sock.bind(tmp)
+            os.chmod(tmp, SOCKET_MODE)
+            os.link(tmp, path)
+        finally:
+            with suppress(FileNotFoundError):
+                os.unlink(tmp)
+            os.rmdir(private)
+        st = os.lstat(path)
+    except FileExistsError:
+        sock.close()
+        raise ConfigError(
+            f"server.socket {path} appeared while the daemon created it",
+            "another process is creating it: stop it or choose another server.socket",
+        ) from None
+    except OSError as e:
+        sock.close()
+        raise ConfigError(
+            f"cannot create server.socket {path}: {e.strerror}",
+            "create its directory, writable by the daemon's user (systemd: "
+            "RuntimeDirectory=cmroot for /run/cmroot), or choose another server.socket",
+        ) from None
+    return sock, (st.st_dev, st.st_ino)
+
+
+def _remove_stale(path: str) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(
+            f"server.socket {path} exists and is not a socket",
+            "it was left as it is: remove it yourself or choose another server.socket",
+        )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(5.0)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        os.unlink(path)  # nothing listens: the socket of a daemon that is gone
+        return
+    except OSError as e:
+        raise ConfigError(
+            f"cannot tell whether server.socket {path} is in use: {e.strerror}",
+            "remove it if no daemon runs, or choose another server.socket",
+        ) from None
+    finally:
+        probe.close()
+    raise ConfigError(
+        f"another process listens on server.socket {path}",
+        "stop it (another cmroot serve?) or choose another server.socket",
+    )
+
+
+def _unlink_if_ours(path: str, ident: tuple[int, int]) -> None:
+    """Remove the socket file at stop, unless something else has replaced it since."""
+    with suppress(OSError):
+        st = os.lstat(path)
+        if (st.st_dev, st.st_ino) == ident:
+            os.unlink(path)
+
+
 EXPIRE_EVERY = 5.0  # seconds between looks for prepared recycles past their lease
 
 
@@ -315,12 +472,20 @@ async def _run(config: cfg.Config, service: Service, notifier: Notifier) -> None
         backlog=BACKLOG,
         reuse_address=True,
     )
+    gate: _UnixGate | None = None
+    unix: asyncio.AbstractServer | None = None
+    socket_path = config.server.socket
+    if socket_path:
+        gate = _UnixGate(listener, service, _socket_uids(config.server))
+        sock, ident = _bind_unix(socket_path)
+        unix = await loop.create_unix_server(gate, sock=sock, backlog=BACKLOG)
     sched = _scheduler(service, config.store.interval)
     sched.start()
     log.info(
         "serving",
         extra={
             "addresses": [_address(s.getsockname()) for s in server.sockets],
+            "socket": socket_path or None,
             "store": config.store.root,
             "config": config.source,
             "auth": "tokens" if service.tokens.enabled else "loopback-open",
@@ -333,7 +498,7 @@ async def _run(config: cfg.Config, service: Service, notifier: Notifier) -> None
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(
-        signal.SIGHUP, lambda: _reload(config, service, sched, notifier, tls)
+        signal.SIGHUP, lambda: _reload(config, service, sched, notifier, tls, gate)
     )
     watchdog = (
         asyncio.create_task(_watchdog(notifier, notifier.watchdog_interval))
@@ -345,6 +510,9 @@ async def _run(config: cfg.Config, service: Service, notifier: Notifier) -> None
     log.info("stopping: draining in-flight requests")
     notifier.notify("STOPPING=1")
     server.close()  # no new connections; the kernel refuses them from now on
+    if unix is not None:
+        unix.close()
+        _unlink_if_ours(socket_path, ident)
     service.stopping.set()  # a running sweep ends after its current batch
     # The scheduler is stopped from a thread: waiting for its sweep on the event loop
     # would freeze every in-flight request behind it.
@@ -367,15 +535,20 @@ def _reload(
     sched: BackgroundScheduler,
     notifier: Notifier,
     tls: ssl.SSLContext | None,
+    gate: _UnixGate | None,
 ) -> None:
-    """SIGHUP: re-read the config file; tokens, retention settings and TLS certificates
-    take effect now. A bad file is logged and ignored: the daemon keeps its settings."""
+    """SIGHUP: re-read the config file; tokens, retention settings, TLS certificates and
+    server.socket_uids take effect now (the socket's path and the listen address at a
+    restart). A bad file is logged and ignored: the daemon keeps its settings."""
     notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
     try:
         fresh = cfg.load(None if config.source == "<defaults>" else config.source)
         if tls is not None:
             _reload_tls(tls, fresh.server)
         service.tokens = Tokens(fresh.auth.tokens)
+        if gate is not None:
+            gate.uids = _socket_uids(fresh.server)
+            gate.drop_refused()
         service.store.reconfigure(
             replace(
                 service.store.config,
