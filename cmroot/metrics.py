@@ -5,16 +5,30 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cmroot.index import Index
 
+# Seconds: API calls take milliseconds, a resolve that hashes or a download minutes.
+_REQUEST_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.5, 1, 5, 30, 120, 600)
+
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        # process_* (CPU, memory, descriptors) and python_info, on this registry: the
+        # library's default registry is never exposed.
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
         self.recycled_files = Counter(
             "cmroot_recycled_files", "Files recycled into the store.", ["op"], registry=registry
         )
@@ -64,6 +78,30 @@ class Metrics:
             "cmroot_http_requests",
             "HTTP requests, by route and status code.",
             ["route", "code"],
+            registry=registry,
+        )
+        self.request_duration = Histogram(
+            "cmroot_http_request_duration_seconds",
+            "Time from a request's headers to its answer (a download's last byte), by route.",
+            ["route"],
+            registry=registry,
+            buckets=_REQUEST_BUCKETS,
+        )
+        self.in_flight = Gauge(
+            "cmroot_http_requests_in_flight",
+            "HTTP requests being answered now.",
+            registry=registry,
+        )
+        self.queue_depth = Gauge(
+            "cmroot_work_queue_depth",
+            "Requests admitted to a class of work (running or waiting for a worker).",
+            ["class"],
+            registry=registry,
+        )
+        self.queue_limit = Gauge(
+            "cmroot_work_queue_limit",
+            "Requests a class of work admits at once; beyond it the answer is 503.",
+            ["class"],
             registry=registry,
         )
         for status in ("original", "cmroot", "missing"):

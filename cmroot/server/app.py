@@ -1,22 +1,30 @@
-"""The HTTP API of DESIGN.md over a Store. Handlers parse and check input, then run the
-store call in a thread pool: no file or hashing work happens on the event loop."""
+"""The HTTP API of DESIGN.md over a Store. Each route belongs to a class of work (LIMITS)
+that admits a bounded number of requests; handlers parse and check input, then run the
+store call on their class's threads: no file or hashing work happens on the event loop."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import io
 import logging
 import os
 import re
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import msgspec
 from aiohttp import hdrs, web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from cmroot import checksum as cks
 from cmroot.exceptions import (
@@ -61,26 +69,96 @@ class NotReady(Exception):
         self.part = part
 
 
+@dataclass(frozen=True)
+class Limit:
+    workers: int  # threads of the class's own: its store calls running at once
+    admitted: int  # requests admitted at once (running or waiting); one more is a 503
+
+
+# Classes of work. Threads are partitioned, not shared: downloads waiting for a thread
+# never delay a recycle, a resolve hashing originals never delays a download. Each class
+# admits a bounded number of requests (a download stays admitted while its bytes go
+# out); one more is answered 503 with Retry-After before its body is read, so waiting
+# requests cost neither unbounded memory nor a place in another class's queue.
+# 18 threads in all, mostly waiting on disks and SQLite; recycle and resolve hash with
+# pools of their own (checksum.default_workers) besides.
+LIMITS = {
+    # recycles, two-phase transactions, POST /v1/events: writes, serialized per
+    # transaction and by SQLite's single writer; Spark hooks of concurrent statements
+    # queue rather than fail.
+    "recycle": Limit(workers=4, admitted=64),
+    # each may hash up to resolve.MAX_HASH_BYTES and holds a body up to server.max_body
+    "resolve": Limit(workers=2, admitted=16),
+    # GET/HEAD /v1/files: a thread opens and checks the file, sendfile does the rest
+    "serve": Limit(workers=8, admitted=256),
+    # entries, the event log, POST /v1/gc (a sweep holds its thread to the end)
+    "other": Limit(workers=2, admitted=32),
+    # /metrics and /readyz answer while every other class is full
+    "probe": Limit(workers=2, admitted=8),
+}
+RETRY_AFTER = 1  # seconds a 503 asks the client to wait
+
+
+class WorkClass:
+    """One class of work: its threads, and the requests admitted (running or waiting)."""
+
+    def __init__(self, name: str, limit: Limit, workers: int, metrics: Metrics) -> None:
+        self.name = name
+        self.limit = limit.admitted
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix=f"cmroot-{name}")
+        self.admitted = 0
+        metrics.queue_depth.labels(name).set_function(lambda: self.admitted)
+        metrics.queue_limit.labels(name).set(self.limit)
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[None]:
+        """A place for one request until it is answered; 503 when none is left. Only the
+        event loop counts: no lock."""
+        if self.admitted >= self.limit:
+            raise DaemonUnavailable(
+                f"too many {self.name} requests",
+                f"the daemon's {self.name} queue is full ({self.limit} running or waiting); "
+                f"nothing was done: retry in {RETRY_AFTER} s",
+            )
+        self.admitted += 1
+        try:
+            yield
+        finally:
+            self.admitted -= 1
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, functools.partial(fn, *args))
+
+
 class Service:
-    """What the handlers share: the store, tokens, metrics and the worker threads."""
+    """What the handlers share: the store, tokens, metrics and the classes of work."""
 
     def __init__(
-        self, store: Store, tokens: Tokens, registry: CollectorRegistry, workers: int = 8
+        self,
+        store: Store,
+        tokens: Tokens,
+        registry: CollectorRegistry,
+        workers: int | None = None,
     ) -> None:
+        """`workers`, when given, is every class's thread count (small in-process tests)."""
         self.store = store
         self.tokens = tokens
         self.registry = registry
+        # prometheus_client adds a `_created` series to each counter and histogram, a
+        # timestamp no query here needs that doubles the series stored. The switch is
+        # global to the library; the daemon exposes one registry, this one.
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.metrics = Metrics(registry)
         registry.register(StoreCollector(store.index))
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="cmroot-store")
+        self.work = {
+            name: WorkClass(name, limit, workers or limit.workers, self.metrics)
+            for name, limit in LIMITS.items()
+        }
         self._gc_lock = threading.Lock()
         self.stopping = threading.Event()  # set on SIGTERM: a running sweep ends early
         # Mismatches the store finds (objects quarantined, files changed while served).
         store.reader.on_mismatch = self.metrics.checksum_mismatches.inc
-
-    async def run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, functools.partial(fn, *args, **kw))
 
     def gc(self, dry_run: bool = False) -> SweepReport:
         """One sweep at a time, scheduled or asked for: a second one is refused (409), not
@@ -130,16 +208,6 @@ class Service:
                 "retention sweep stopped", f"the daemon is shutting down ({removed} removed)"
             )
 
-    async def open_verified(self, path: str, checksum: str) -> Verified:
-        """Store.open_verified in a worker. If this request is cancelled (the client went
-        away) while the worker runs, the descriptor it opens is closed when it is done."""
-        cf = self.pool.submit(self.store.open_verified, path, checksum, INLINE_MAX)
-        try:
-            return await asyncio.wrap_future(cf)
-        except asyncio.CancelledError:
-            cf.add_done_callback(_close_result)
-            raise
-
     def ready(self) -> None:
         """Raise NotReady unless the index answers and the store root is writable."""
         try:
@@ -151,7 +219,8 @@ class Service:
 
     def close(self) -> None:
         # Waits for in-flight recycles: each finishes or rolls back, nothing half done.
-        self.pool.shutdown(wait=True)
+        for work in self.work.values():
+            work.pool.shutdown(wait=True)
 
 
 def _close_result(cf: Future[Verified]) -> None:
@@ -160,6 +229,7 @@ def _close_result(cf: Future[Verified]) -> None:
 
 
 SERVICE = web.AppKey("service", Service)
+WORK = web.RequestKey("work", WorkClass)  # the class a request was admitted to
 INLINE_MAX = 1 << 20  # files up to this size are served from memory, hashed as read
 # The last bytes of a sendfile'd response are held back until the descriptor's identity
 # is checked again: a file changed while it was sent is cut short, never completed.
@@ -179,22 +249,25 @@ def _file_headers(checksum: str, status: str) -> dict[str, str]:
 def create_app(service: Service, max_body: int) -> web.Application:
     app = web.Application(client_max_size=max_body, middlewares=[_errors, _guard])
     app[SERVICE] = service
+    w = service.work
     r = app.router
-    r.add_post("/v1/recycle", _scoped("write", recycle))
+    r.add_post("/v1/recycle", _route("write", w["recycle"], recycle))
     r.add_post(
-        "/v1/transactions/{txid}/{action:commit|abort|renew}", _scoped("write", transaction)
+        "/v1/transactions/{txid}/{action:commit|abort|renew}",
+        _route("write", w["recycle"], transaction),
     )
-    r.add_post("/v1/resolve", _scoped("read", resolve))
-    r.add_get("/v1/files", _scoped("read", files))  # aiohttp answers HEAD from GET routes
-    r.add_get("/v1/entries", _scoped("read", entries))
-    r.add_get("/v1/events", _scoped("admin", events))
-    r.add_get("/v1/events/current", _scoped("admin", current_event))
-    r.add_get("/v1/events/{id:[0-9]+}/files", _scoped("admin", event_files))
-    r.add_post("/v1/events", _scoped("write", add_event))
-    r.add_post("/v1/gc", _scoped("admin", gc))
-    r.add_get("/metrics", metrics)
-    r.add_get("/healthz", healthz)
-    r.add_get("/readyz", readyz)
+    r.add_post("/v1/resolve", _route("read", w["resolve"], resolve))
+    # aiohttp answers HEAD from GET routes
+    r.add_get("/v1/files", _route("read", w["serve"], files))
+    r.add_get("/v1/entries", _route("read", w["other"], entries))
+    r.add_get("/v1/events", _route("admin", w["other"], events))
+    r.add_get("/v1/events/current", _route("admin", w["other"], current_event))
+    r.add_get("/v1/events/{id:[0-9]+}/files", _route("admin", w["other"], event_files))
+    r.add_post("/v1/events", _route("write", w["recycle"], add_event))
+    r.add_post("/v1/gc", _route("admin", w["other"], gc))
+    r.add_get("/metrics", _route(None, w["probe"], metrics))
+    r.add_get("/healthz", healthz)  # on the event loop alone: no class to wait for
+    r.add_get("/readyz", _route(None, w["probe"], readyz))
     return app
 
 
@@ -216,12 +289,23 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.match_info.route.resource
         else "other"
     )
+    with m.in_flight.track_inprogress(), m.request_duration.labels(route).time():
+        resp = await _answer(request, handler, route)
+    m.http_requests.labels(route, str(resp.status)).inc()
+    return resp
+
+
+async def _answer(request: web.Request, handler: Handler, route: str) -> web.StreamResponse:
+    """The handler's answer, or the JSON error it raised."""
+    m = request.app[SERVICE].metrics
     try:
         resp = await handler(request)
     except CmrootError as e:
         if isinstance(e, ChecksumMismatch):
             m.checksum_mismatches.inc()
-        if e.status >= 500:
+        # 503 is load, not a fault: counted in cmroot_http_requests_total, not logged
+        # once per refused request.
+        if e.status >= 500 and e.status != 503:
             log.error("request failed", extra={"route": route, "error": str(e)})
         detail = e.detail
         if _outside_roots(e):
@@ -241,7 +325,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         resp = _error(500, "internal error", type(e).__name__)
     if resp.status == 401:
         resp.headers[hdrs.WWW_AUTHENTICATE] = 'Bearer realm="cmroot"'
-    m.http_requests.labels(route, str(resp.status)).inc()
+    if resp.status == 503:
+        resp.headers.setdefault(hdrs.RETRY_AFTER, str(RETRY_AFTER))
     return resp
 
 
@@ -285,12 +370,24 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     return await handler(request)
 
 
-def _scoped(scope: str, handler: Handler) -> Handler:
-    async def checked(request: web.Request) -> web.StreamResponse:
-        request.app[SERVICE].tokens.check(request.headers.get(hdrs.AUTHORIZATION), scope)
-        return await handler(request)
+def _route(scope: str | None, work: WorkClass, handler: Handler) -> Handler:
+    """`handler` behind its token scope (None: open to all) and its class of work. The
+    token is checked first (a refused client takes no place), then a place is taken,
+    before the body is read: a request refused 503 has cost nothing."""
 
-    return checked
+    async def admitted(request: web.Request) -> web.StreamResponse:
+        if scope is not None:
+            request.app[SERVICE].tokens.check(request.headers.get(hdrs.AUTHORIZATION), scope)
+        with work.admit():
+            request[WORK] = work
+            return await handler(request)
+
+    return admitted
+
+
+async def _run(request: web.Request, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a thread of the request's class of work."""
+    return await request[WORK].run(fn, *args)
 
 
 async def _body(request: web.Request, cls: type[schemas.S]) -> schemas.S:
@@ -303,7 +400,7 @@ async def _body(request: web.Request, cls: type[schemas.S]) -> schemas.S:
         ) from e
     if len(raw) <= _DECODE_INLINE:
         return schemas.decode(raw, cls)
-    return await request.app[SERVICE].run(schemas.decode, raw, cls)
+    return await _run(request, schemas.decode, raw, cls)
 
 
 def _query(request: web.Request, cls: type[schemas.S]) -> schemas.S:
@@ -320,11 +417,11 @@ async def recycle(request: web.Request) -> web.Response:
                 "txid or lease without prepare",
                 'set "prepare": true for a two-phase recycle (a plain one has no lease)',
             )
-        prepared = await _counted(svc, svc.store.prepare, req, body.lease, body.txid)
+        prepared = await _counted(request, svc.store.prepare, req, body.lease, body.txid)
         log.info("prepared", extra={"txid": prepared.txid, "op": req.op, "db": req.db,
                                     "table": req.table, "files": len(prepared.files)})
         return _json(prepared.to_json())
-    result = await _counted(svc, svc.store.recycle, req)
+    result = await _counted(request, svc.store.recycle, req)
     _recycled(svc, result.op, result)
     log.info(
         "recycled",
@@ -339,14 +436,14 @@ async def recycle(request: web.Request) -> web.Response:
     return _json(result.to_json())
 
 
-async def _counted(svc: Service, fn: Callable[..., T], *args: Any) -> T:
+async def _counted(request: web.Request, fn: Callable[..., T], *args: Any) -> T:
     """Run a store write, counting failures that are not plain refusals."""
     try:
-        return await svc.run(fn, *args)
+        return await _run(request, fn, *args)
     except _REFUSED:
         raise
     except Exception:
-        svc.metrics.recycle_errors.inc()
+        request.app[SERVICE].metrics.recycle_errors.inc()
         raise
 
 
@@ -360,22 +457,24 @@ async def transaction(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     txid, action = request.match_info["txid"], request.match_info["action"]
     if action == "commit":
-        result = await _counted(svc, svc.store.commit, txid)
+        result = await _counted(request, svc.store.commit, txid)
         _recycled(svc, result.op, result)
         log.info("committed", extra={"txid": txid, "event_id": result.event_id,
                                      "files": len(result.files)})
         return _json(result.to_json())
     if action == "abort":
-        displaced = await _counted(svc, svc.store.abort, txid)
+        displaced = await _counted(request, svc.store.abort, txid)
         log.info("aborted", extra={"txid": txid, "displaced": len(displaced)})
         return _json({"txid": txid, "aborted": True, "displaced": displaced})
     body = await _body(request, schemas.RenewBody) if request.can_read_body else None
-    expires = await svc.run(svc.store.renew, txid, body.lease if body else None)
+    expires = await _run(request, svc.store.renew, txid, body.lease if body else None)
     return _json({"txid": txid, "expires": expires})
+
+
 async def resolve(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     body = await _body(request, schemas.ResolveBody)
-    out = await svc.run(svc.store.resolve, body.pairs())
+    out = await _run(request, svc.store.resolve, body.pairs())
     counts: dict[str, int] = {}
     for r in out:
         counts[r.status] = counts.get(r.status, 0) + 1
@@ -391,11 +490,24 @@ async def files(request: web.Request) -> web.StreamResponse:
     past the end; If-None-Match on the checksum ETag answers 304."""
     svc = request.app[SERVICE]
     q = _query(request, schemas.FilesQuery)
-    v = await svc.open_verified(q.path, q.checksum)
+    v = await _open_verified(request, q.path, q.checksum)
     try:
         return await _serve(request, svc, v)
     finally:
         v.close()
+
+
+async def _open_verified(request: web.Request, path: str, checksum: str) -> Verified:
+    """Store.open_verified on a thread of the request's class. If the request is
+    cancelled (the client went away) while the thread runs, the descriptor it opens is
+    closed when it is done."""
+    store = request.app[SERVICE].store
+    cf = request[WORK].pool.submit(store.open_verified, path, checksum, INLINE_MAX)
+    try:
+        return await asyncio.wrap_future(cf)
+    except asyncio.CancelledError:
+        cf.add_done_callback(_close_result)
+        raise
 
 
 async def _serve(request: web.Request, svc: Service, v: Verified) -> web.StreamResponse:
@@ -426,7 +538,12 @@ async def _serve(request: web.Request, svc: Service, v: Verified) -> web.StreamR
         resp.content_length = count
         await resp.prepare(request)
         if request.method != hdrs.METH_HEAD and count:
-            await _send_fd(request, resp, svc, v, first, count)
+            try:
+                await _send_fd(request, resp, svc, v, first, count)
+            except ConnectionError:
+                # The client went away, or the answer was cut short (logged): nothing is
+                # left to answer, and a download dropped half way is not a daemon error.
+                return resp
         await resp.write_eof()
     if request.method == hdrs.METH_GET:
         svc.metrics.served_bytes.inc(count)
@@ -478,10 +595,10 @@ async def _send_fd(
         try:
             await loop.sendfile(transport, f, first, head)
         except NotImplementedError:
-            await _write_chunks(resp, svc, v, first, head)
+            await _write_chunks(request, resp, v, first, head)
         finally:
             f.close()
-    tail = await svc.run(_tail_if_unchanged, svc, v, first + head, count - head)
+    tail = await _run(request, _tail_if_unchanged, svc, v, first + head, count - head)
     if tail is None:
         transport.abort()
         raise ConnectionResetError("file changed while served")
@@ -489,11 +606,11 @@ async def _send_fd(
 
 
 async def _write_chunks(
-    resp: web.StreamResponse, svc: Service, v: Verified, offset: int, count: int
+    request: web.Request, resp: web.StreamResponse, v: Verified, offset: int, count: int
 ) -> None:
     end = offset + count
     while offset < end:
-        chunk = await svc.run(v.pread, min(1 << 18, end - offset), offset)
+        chunk = await _run(request, v.pread, min(1 << 18, end - offset), offset)
         if not chunk:
             raise ConnectionResetError("file shrank while served")
         await resp.write(chunk)
@@ -521,7 +638,7 @@ def _tail_if_unchanged(svc: Service, v: Verified, offset: int, count: int) -> by
 async def entries(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     q = _query(request, schemas.EntriesQuery)
-    rows = await svc.run(svc.store.entries, q.db, q.table, q.limit, q.cursor or None)
+    rows = await _run(request, svc.store.entries, q.db, q.table, q.limit, q.cursor or None)
     return _json(
         {
             "entries": [e.to_json() for e in rows],
@@ -536,7 +653,7 @@ async def events(request: web.Request) -> web.Response:
     following page, `more` whether events at or past it exist."""
     svc = request.app[SERVICE]
     q = _query(request, schemas.EventsQuery)
-    return _json(await svc.run(svc.store.index.events_page, q.start, q.limit))
+    return _json(await _run(request, svc.store.index.events_page, q.start, q.limit))
 
 
 async def event_files(request: web.Request) -> web.Response:
@@ -546,7 +663,7 @@ async def event_files(request: web.Request) -> web.Response:
     raw = request.match_info["id"]
     event_id = int(raw) if len(raw) <= 18 else 0
     q = _query(request, schemas.EventFilesQuery)
-    page = await svc.run(svc.store.index.event_files_page, event_id, q.after, q.limit)
+    page = await _run(request, svc.store.index.event_files_page, event_id, q.after, q.limit)
     if page is None:
         raise NotFound("no such event", f"event {raw} is not in the log")
     return _json(page)
@@ -555,14 +672,15 @@ async def event_files(request: web.Request) -> web.Response:
 async def current_event(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     _query(request, schemas.NoQuery)
-    return _json({"id": await svc.run(svc.store.index.current_event_id)})
+    return _json({"id": await _run(request, svc.store.index.current_event_id)})
 
 
 async def add_event(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     body = await _body(request, schemas.EventBody)
     table_obj = body.table_obj()
-    event_id = await svc.run(
+    event_id = await _run(
+        request,
         svc.store.add_event,
         body.type,
         body.db,
@@ -578,13 +696,13 @@ async def add_event(request: web.Request) -> web.Response:
 
 async def gc(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
-    report = await svc.run(svc.gc, _query(request, schemas.GcQuery).dry_run)
+    report = await _run(request, svc.gc, _query(request, schemas.GcQuery).dry_run)
     return _json(report.to_json())
 
 
 async def metrics(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
-    body = await svc.run(generate_latest, svc.registry)
+    body = await _run(request, generate_latest, svc.registry)
     return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})
 
 
@@ -595,7 +713,7 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     try:
-        await svc.run(svc.ready)
+        await _run(request, svc.ready)
     except NotReady as e:
         # Unauthenticated: the answer names the part, the log has the paths and errors.
         log.warning("not ready", extra={"part": e.part, "error": str(e)})

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cmroot import checksum as cks
-from cmroot.exceptions import BadRequest, CmrootError
+from cmroot.exceptions import BadRequest, CmrootError, PayloadTooLarge
 from cmroot.index import Index
 from cmroot.store import read
 from cmroot.store.layout import Layout
@@ -22,6 +22,11 @@ from cmroot.store.source.remote import remote_ident
 from cmroot.store.warehouse import Located, Warehouse
 
 MAX_PAIRS = 100_000
+# Bytes of originals one resolve may hash (those whose checksum is not cached): a minute
+# or two of reading at disk speed, so one request cannot hold a thread for hours. A
+# batch over it is refused before anything is read (413: split it); a single file over
+# it is still hashed, as splitting cannot help.
+MAX_HASH_BYTES = 16 << 30
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,7 @@ class Resolver:
 
     def resolve(self, pairs: Sequence[tuple[Located, str]]) -> list[Resolution]:
         originals = {loc.key: o for loc, _ in pairs if (o := _stat(loc)) is not None}
-        sums = self.checksums(list(originals.values()))
+        sums = self.checksums(list(originals.values()), MAX_HASH_BYTES)
         out: list[Resolution | None] = []
         rest = []
         for i, (loc, c) in enumerate(pairs):
@@ -101,15 +106,26 @@ class Resolver:
                 out[i] = Resolution(key, c, "missing")
         return [r for r in out if r is not None]
 
-    def checksums(self, originals: list[_Original]) -> dict[str, str]:
+    def checksums(
+        self, originals: list[_Original], max_bytes: int | None = None
+    ) -> dict[str, str]:
         """Checksums of existing originals: from the cache while their identity is the
         one cached, else hashed. A local file is hashed from the descriptor its identity
         was taken from, and is left out (no checksum) if it vanished or changed while
-        hashed: such a pair is then not `original`."""
+        hashed: such a pair is then not `original`. More than one file to hash holding
+        over `max_bytes` is refused (PayloadTooLarge) before any is read."""
         sums = self.index.cached_checksums(
             [(o.loc.key, o.ident) for o in originals if o.ident is not None and o.settled]
         )
         todo = [o for o in originals if o.loc.key not in sums]
+        total = sum(o.size for o in todo)
+        if max_bytes is not None and len(todo) > 1 and total > max_bytes:
+            raise PayloadTooLarge(
+                "too many bytes of originals to hash",
+                f"{len(todo)} original files not hashed before hold {total} bytes; one "
+                f"resolve hashes at most {max_bytes} bytes ({max_bytes / (1 << 30):g} GiB): "
+                "split the batch into smaller ones",
+            )
         if todo:
             with ThreadPoolExecutor(self.workers) as pool:
                 fresh = list(pool.map(_hash, todo))

@@ -1,6 +1,7 @@
 """GET /metrics from the real daemon: parsed with prometheus_client's own parser, checked by
 `promtool check metrics`, and watched moving as files are recycled, resolved, served and
-swept. Labels never carry paths, checksums or table names."""
+swept. Labels never carry paths, checksums or table names; routes are route patterns;
+there is no `_created` series."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cmroot import checksum as cks
+from cmroot.server.app import LIMITS
 from tests.server.cmroot_daemon import Daemon, MakeDaemon, write_files
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,7 +38,20 @@ REQUIRED = {
     "cmroot_checksum_mismatches": "counter",
     "cmroot_last_event_id": "gauge",
     "cmroot_http_requests": "counter",
+    "cmroot_http_request_duration_seconds": "histogram",
+    "cmroot_http_requests_in_flight": "gauge",
+    "cmroot_work_queue_depth": "gauge",
+    "cmroot_work_queue_limit": "gauge",
+    "process_cpu_seconds": "counter",
+    "process_resident_memory_bytes": "gauge",
+    "process_open_fds": "gauge",
+    "process_max_fds": "gauge",
+    "process_start_time_seconds": "gauge",
+    "python_info": "gauge",
 }
+# Every label name there is: python_info's (the platform collector) name the interpreter.
+LABELS = {"op", "result", "status", "route", "code", "le", "class"}
+LABELS |= {"implementation", "major", "minor", "patchlevel", "version"}
 
 
 def scrape(d: Daemon) -> tuple[Samples, dict[str, str], str]:
@@ -78,6 +93,12 @@ def test_metrics_move_with_the_work(lake: Daemon) -> None:
     for name, kind in REQUIRED.items():
         assert types.get(name) == kind, (name, types.get(name))
     promtool(text0)
+    # At rest only the scrape itself is in flight, admitted to the probe class.
+    assert v(m0, "cmroot_http_requests_in_flight") == 1
+    for cls, limit in LIMITS.items():
+        assert v(m0, "cmroot_work_queue_depth", **{"class": cls}) == (cls == "probe")
+        assert v(m0, "cmroot_work_queue_limit", **{"class": cls}) == limit.admitted
+    assert v(m0, "process_resident_memory_bytes") > 0 and v(m0, "process_open_fds") > 0
     assert v(m0, "cmroot_store_objects") == 0 and v(m0, "cmroot_store_bytes") == 0
     assert v(m0, "cmroot_oldest_object_timestamp_seconds") == 0
     runs0 = v(m0, "cmroot_gc_runs_total", result="success")  # the sweep at start-up
@@ -157,7 +178,7 @@ def test_metrics_move_with_the_work(lake: Daemon) -> None:
     t_gc = time.time()
     res = c.gc()
     assert res["removed_objects"] == 3
-    m6, _, text6 = scrape(d)
+    m6, _, _ = scrape(d)
     assert v(m6, "cmroot_gc_runs_total", result="success") == runs0 + 1
     assert v(m6, "cmroot_gc_runs_total", result="failure") == 0
     assert v(m6, "cmroot_gc_deleted_objects_total") == 3
@@ -170,15 +191,32 @@ def test_metrics_move_with_the_work(lake: Daemon) -> None:
     assert v(m6, "cmroot_store_bytes") == sum(map(len, contents)) + 10
     assert v(m6, "cmroot_checksum_mismatches_total") == 0
 
+    # request durations by route pattern: the raw path of an unknown route is not a label
+    assert d.request("GET", "/v1/no-such-route/" + "ab" * 16).status == 404
+    m7, _, text7 = scrape(d)
+    assert v(m7, "cmroot_http_request_duration_seconds_count", route="other") == 1
+    for route, n in (("/v1/recycle", 4), ("/v1/resolve", 1), ("/v1/files", 5), ("/v1/gc", 2)):
+        assert v(m7, "cmroot_http_request_duration_seconds_count", route=route) == n, route
+        assert v(m7, "cmroot_http_request_duration_seconds_bucket", route=route, le="+Inf") == n
+    routes = {
+        dict(labels)["route"]
+        for name, labels in m7
+        if name == "cmroot_http_request_duration_seconds_count"
+    }
+    assert routes == {
+        "/v1/recycle", "/v1/resolve", "/v1/files", "/v1/gc", "/readyz", "/metrics", "other"
+    }, routes
+
     # no path, checksum, db or table in any label
     sums = {cks.of_bytes(b) for b in [*files.values(), *tmp.values(), orig_bytes]}
-    for _name, labels in m6:
+    for _name, labels in m7:
         for key, value in labels:
-            assert key in {"op", "result", "status", "route", "code", "le"}, key
+            assert key in LABELS, key
             assert (
                 str(d.base) not in value
                 and value not in sums
                 and not re.fullmatch(r"[0-9a-f]{32}", value)
             )
-    promtool(text6)
+    assert "_created" not in text7
+    promtool(text7)
     assert d.errors() == [], d.log()
