@@ -9,7 +9,13 @@ Pages for the API (`events_page`, `event_files_page`) are capped in bytes as wel
 count: their compact JSON never exceeds `PAGE_BYTES` (unless one event's own fields,
 without files, are larger than that). Events come whole, except the first of a page,
 which, if its files do not fit, comes with the files that do and `filesNext`, the cursor
-to page the rest with `event_files_page`."""
+to page the rest with `event_files_page`.
+
+A stored `tableObj` over the limits requests are held to today (an index written by an
+older version, or by hand) is never served: the event comes with the marker
+`{"_cmroot": "tableObj omitted: <why>"}` in its place and everything else intact, so
+every page still answers and fits its cap, and a replication loader sees that the
+definition is missing (it needs a bootstrap of that table) instead of a wrong one."""
 
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ import sqlite3
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import msgspec
+
 from cmroot.index.base import Base
 from cmroot.index.records import Event
 
@@ -25,6 +33,14 @@ PAGE_BYTES = 4 << 20  # the most a page's JSON may take; read at call time (test
 FILES_FETCH = 2000  # file rows read from SQLite per step while filling a page
 
 _EVENT_COLUMNS = "id, type, db, tbl, partitions, timestamp, server, purge, meta"
+# The largest tableObj served, in bytes of stored JSON, and in levels of nesting. POST
+# /v1/events accepts 1 MiB and 32 levels (cmroot.server.schemas); stored by json.dumps,
+# which escapes non-ASCII characters, 1 MiB takes at most 3. One this large still fits a
+# page (PAGE_BYTES); a stored one beyond either limit is served as the OMITTED marker.
+MAX_TABLE_OBJ = 3 << 20
+MAX_TABLE_OBJ_DEPTH = 32
+OMITTED = "_cmroot"  # the one key of the marker served in place of such a tableObj
+_LOCATION_FIRST = '{"location": '  # how _insert_event's json.dumps starts a meta
 _BIG_INT = 2**63  # the widest integer a cursor field can hold
 # What a page holds besides its events: the envelope with the widest numbers, plus room
 # for the one `filesNext` a page can carry.
@@ -242,17 +258,87 @@ def _fill(
 
 
 def _event(r: Sequence[Any], files: list[dict[str, Any]]) -> Event:
-    meta = json.loads(r[8]) if r[8] is not None else {}
+    location, table_obj = _meta(r[8])
     return Event(
-        r[0],
-        r[1],
-        r[2],
-        r[3],
-        json.loads(r[4]),
-        r[5],
-        r[6],
-        bool(r[7]),
-        files,
-        meta.get("location"),
-        meta.get("tableObj"),
+        r[0], r[1], r[2], r[3], json.loads(r[4]), r[5], r[6], bool(r[7]), files, location,
+        table_obj,
     )
+
+
+class _SplitMeta(msgspec.Struct, rename={"table_obj": "tableObj"}):
+    location: Any = None
+    table_obj: msgspec.Raw = msgspec.Raw(b"null")
+
+
+_SPLIT_META = msgspec.json.Decoder(_SplitMeta)
+
+
+def _meta(text: str | None) -> tuple[str | None, dict[str, Any] | None]:
+    """The location and tableObj of a meta column; a tableObj over the limits (or one
+    that cannot be read) comes back as the OMITTED marker."""
+    if text is None:
+        return None, None
+    try:
+        if len(text) > MAX_TABLE_OBJ:
+            # msgspec skips the tableObj as raw bytes: measured without being built.
+            split = _SPLIT_META.decode(text)
+            meta: Any = {"location": split.location, "tableObj": split.table_obj}
+        else:
+            meta = json.loads(text)
+    except RecursionError:
+        return _location_of(text), _omitted(f"nested over {MAX_TABLE_OBJ_DEPTH} levels deep")
+    except (ValueError, msgspec.DecodeError):
+        return _location_of(text), _omitted("its stored JSON cannot be read")
+    if not isinstance(meta, dict):
+        return None, _omitted("its stored JSON cannot be read")
+    location = meta.get("location")
+    return location if isinstance(location, str) else None, _table_obj(meta.get("tableObj"))
+
+
+def _table_obj(value: Any) -> dict[str, Any] | None:
+    if isinstance(value, msgspec.Raw):
+        if len(value) > MAX_TABLE_OBJ:
+            return _omitted(f"{len(value)} bytes of JSON, over the {MAX_TABLE_OBJ}-byte limit")
+        try:
+            value = json.loads(bytes(value))
+        except RecursionError:
+            return _omitted(f"nested over {MAX_TABLE_OBJ_DEPTH} levels deep")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return _omitted(f"a JSON {type(value).__name__}, not an object")
+    if _depth(value) > MAX_TABLE_OBJ_DEPTH:
+        return _omitted(f"nested over {MAX_TABLE_OBJ_DEPTH} levels deep")
+    return value
+
+
+def _omitted(why: str) -> dict[str, Any]:
+    return {OMITTED: f"tableObj omitted: {why}; a replica of this table needs a bootstrap"}
+
+
+def _location_of(text: str) -> str | None:
+    """The location of a meta too deep to parse whole: _insert_event writes it first."""
+    if not text.startswith(_LOCATION_FIRST):
+        return None
+    try:
+        value, _ = json.JSONDecoder().raw_decode(text, len(_LOCATION_FIRST))
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of decoded JSON (at most MAX_TABLE_OBJ_DEPTH + 1), walked without
+    recursion."""
+    deepest = 0
+    todo: list[tuple[Any, int]] = [(value, 1)]
+    while todo:
+        node, depth = todo.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_TABLE_OBJ_DEPTH:
+            break
+        if isinstance(node, dict):
+            todo.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            todo.extend((v, depth + 1) for v in node)
+    return deepest

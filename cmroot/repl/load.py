@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 Report = Callable[[str, int, int | None], None]
 REMOVES = frozenset({"INSERT_OVERWRITE", "TRUNCATE", "DELETE", "ALTER_LOCATION"})
+# The one key of what GET /v1/events serves in place of a stored tableObj over today's
+# limits (cmroot.index.events.OMITTED): the definition is unknown, not empty.
+OMITTED = "_cmroot"
 _RESOLVE_BATCH = 5000
 
 
@@ -70,6 +73,19 @@ def load(
 def status(spark: Any, db: str, table: str | None = None) -> int | None:
     """The last source event applied to `db` (or `db.table`); None if never replicated."""
     return _last_applied(Destination(spark), db.lower(), table.lower() if table else None)
+
+
+def _known(table_obj: dict[str, Any] | None, e: DumpEvent) -> dict[str, Any] | None:
+    """`table_obj`, unless the source omitted it (too large for its event log): asked for
+    only where the load needs the definition, so it fails for that table alone."""
+    if table_obj is not None and OMITTED in table_obj:
+        raise ReplError(
+            "table definition missing from the source's event log",
+            f"event {e.id} ({e.db}.{e.table}): {table_obj[OMITTED]}: replicate "
+            f"{e.db}.{e.table} from a bootstrap (cmroot repl dump {e.db}.{e.table} without "
+            "--from, then load it)",
+        )
+    return table_obj
 
 
 def _last_applied(dest: Destination, db: str, table: str | None) -> int | None:
@@ -245,14 +261,13 @@ class Loader:
 
     def _definition(self, e: DumpEvent) -> dict[str, Any] | None:
         src = (e.table or "").lower()
-        if e.table_obj is not None:
-            return e.table_obj
-        if src in self._defs:
-            return self._defs[src]
-        for later in self.dump.events:  # a CTAS writes its files before it creates its table
-            if later.type == "CREATE_TABLE" and (later.table or "").lower() == src:
-                return later.table_obj
-        return None
+        obj = e.table_obj if e.table_obj is not None else self._defs.get(src)
+        if obj is None:
+            for later in self.dump.events:  # a CTAS writes its files before its table
+                if later.type == "CREATE_TABLE" and (later.table or "").lower() == src:
+                    obj = later.table_obj
+                    break
+        return _known(obj, e)
 
     def _ensure_table(self, e: DumpEvent) -> str:
         dst = self._dst_table(e)
@@ -363,7 +378,7 @@ class Loader:
                           ignore_errors=True)
 
     def _alter(self, e: DumpEvent) -> None:
-        new = e.table_obj
+        new = _known(e.table_obj, e)
         if new is None:
             return
         old_name, new_name = (e.table or "").lower(), str(new.get("table") or e.table).lower()
