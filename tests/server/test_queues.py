@@ -3,17 +3,24 @@
 as its `cmroot_work_queue_depth` says; then one more of that class is answered 503 with
 Retry-After and changes nothing, while /healthz and the other classes still answer, and
 the held requests go on once let go. A resolve whose originals to hash hold more than
-resolve.MAX_HASH_BYTES is refused 413 before a byte of them is read."""
+resolve.MAX_HASH_BYTES is refused 413 before a byte of them is read.
+
+The stalled downloads go over the daemon's Unix socket: there a send waits once about
+256 KiB are queued, where loopback TCP would queue 4 MiB each (1 GiB for the class)."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import os
+import shutil
 import socket
 import sqlite3
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,12 +29,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from cmroot import checksum as cks
 from cmroot.server.app import LIMITS
 from cmroot.store.resolve import MAX_HASH_BYTES
-from tests.server.cmroot_daemon import Daemon, Reply, assert_error, write_files
+from tests.server.cmroot_daemon import Daemon, MakeDaemon, Reply, assert_error, write_files
 
 pytestmark = pytest.mark.timeout(300)
 
 PAD = 900  # leading spaces of a held body, sent one a second: it outlives any test
-BIG = 32 << 20  # a download far larger than the socket buffers between us and the daemon
+BIG = 8 << 20  # a download far larger than the socket buffers between us and the daemon
 
 
 def depth(d: Daemon, cls: str) -> float:
@@ -167,23 +174,30 @@ def test_a_full_resolve_queue_answers_503_while_recycles_go_on(daemon: Daemon) -
     assert d.errors() == [], d.log()
 
 
-def stalled_download(d: Daemon, url: str) -> socket.socket:
-    """A GET whose answer is never read: once the socket buffers are full the daemon's
-    send waits, and the request stays admitted."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # small window, small buffers
-    s.connect(("127.0.0.1", d.port))
+@pytest.fixture
+def sock_path() -> Iterator[Path]:
+    """A socket path short enough for sun_path (pytest's tmp_path may not be)."""
+    d = Path(tempfile.mkdtemp(prefix="cmq-", dir="/tmp"))
+    yield d / "s"
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def stalled_download(path: Path, d: Daemon, url: str) -> socket.socket:
+    """A GET over the Unix socket whose answer is never read: once the socket buffer is
+    full the daemon's send waits, and the request stays admitted."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(str(path))
     s.sendall(
-        f"GET {url} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"GET {url} HTTP/1.1\r\nHost: localhost\r\n"
         f"Authorization: Bearer {d.tokens['read']}\r\n\r\n".encode()
     )
     return s
 
 
-def test_downloads_fill_serve_and_nothing_else(daemon: Daemon) -> None:
+def test_downloads_fill_serve_and_nothing_else(make_daemon: MakeDaemon, sock_path: Path) -> None:
     """Downloads nobody reads hold every place of the serve class: one more GET is 503,
     while a recycle, a resolve and /healthz still answer."""
-    d = daemon
+    d = make_daemon(env={"CMROOT_SERVER_SOCKET": str(sock_path)})
     limit = LIMITS["serve"].admitted
     big = d.warehouse / "db.db/big/f"
     big.parent.mkdir(parents=True)
@@ -192,7 +206,7 @@ def test_downloads_fill_serve_and_nothing_else(daemon: Daemon) -> None:
     assert d.request("HEAD", url, scope="read").status == 200  # hashed once, then trusted
     socks: list[socket.socket] = []
     try:
-        socks = [stalled_download(d, url) for _ in range(limit)]
+        socks = [stalled_download(sock_path, d, url) for _ in range(limit)]
         wait_depth(d, "serve", limit)
         r = d.request("GET", url, scope="read")
         assert_error(r, 503, "serve", "retry")
