@@ -380,9 +380,8 @@ def _recycle(args: argparse.Namespace) -> int:
     if args.op not in DESTRUCTIVE:
         raise BadRequest(f"unknown op {args.op!r}", f"use one of {_OPS}")
     partitions = [_kv(p) for p in args.partition]
-    config = _load(args)
-    if args.table:
-        _one_table(args.paths, config.store.warehouse_roots)
+    # One table per --table label and no warehouse root: the store refuses those, for
+    # every client alike.
     with _backend(args) as b:
         res = b.recycle(
             list(args.paths),
@@ -403,39 +402,6 @@ def _recycle(args: argparse.Namespace) -> int:
         ),
     )
     return 0
-
-
-def _one_table(paths: Sequence[str], roots: Sequence[str]) -> None:
-    """Refuse a recycle labelled as one table whose paths span several (Hive layout:
-    `<root>/<db>.db/<table>`, or `<root>/<table>` for `default`). Refused rather than
-    warned about: replicas replay the event, so files filed under the wrong table are
-    dropped or restored with it there, long after a warning scrolled by."""
-    tables: dict[str, str] = {}
-    for raw in paths:
-        local = cfg.local_path(raw)
-        if local is None:
-            continue  # an object store has no directories to tell tables apart
-        path = os.path.normpath(os.path.abspath(local))
-        for root in (r for r in roots if cfg.local_path(r) is not None):
-            rel = os.path.relpath(path, root).split(os.sep)
-            if rel[0] in (".", ".."):
-                continue  # the root itself is refused by the store; elsewhere, another root
-            if rel[0].endswith(".db") and len(rel) < 2:
-                raise BadRequest(
-                    "one table per recycle",
-                    f"{raw} is database {rel[0][:-3]!r}, with all its tables: "
-                    "name the table's directory, or drop --table",
-                )
-            table = os.path.join(root, *rel[: 2 if rel[0].endswith(".db") else 1])
-            tables.setdefault(table, raw)
-            break
-    if len(tables) > 1:
-        a, b = list(tables)[:2]
-        raise BadRequest(
-            "one table per recycle",
-            f"{tables[a]} and {tables[b]} are in different tables ({a}, {b}): "
-            "recycle each table with its own --table",
-        )
 
 
 def _kv(text: str) -> dict[str, str]:

@@ -27,7 +27,7 @@ import socket
 import sqlite3
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
@@ -49,7 +49,7 @@ from cmroot.index import Entry, Event, Index, PendingTx
 from cmroot.store.journal import Item, Journal, Sessions, entries_of
 from cmroot.store.layout import Layout, sync_filesystem
 from cmroot.store.objects import Objects
-from cmroot.store.warehouse import Warehouse
+from cmroot.store.warehouse import Root, Warehouse
 from cmroot.vocab import DESTRUCTIVE, Method, Mode, TxState
 
 log = logging.getLogger(__name__)
@@ -213,6 +213,7 @@ class Recycler:
                     f"{loc.key} is a warehouse root or contains one: name the tables or files"
                     " under it instead",
                 )
+        _one_table(req, ((loc.root, loc.rel, loc.key) for loc in located))
         found, dirs = self.warehouse.expand(located)
         items = [
             Item(i, f.key, f.rel, root, self.layout.staged_path(txid, i),
@@ -397,6 +398,8 @@ class Recycler:
                     req, joined, 1 + max((it.seq for it in earlier), default=-1)
                 )
                 merged = _merge(merged, req)
+                # Every part is filed under the statement's one label.
+                _one_table(merged, ((it.root, it.rel, it.key) for it in [*earlier, *items]))
                 # Copy mode leaves sources in place: a file named by two parts is one file.
                 known = {it.key for it in earlier}
                 items = [it for it in items if it.key not in known]
@@ -571,6 +574,35 @@ def _gone(txid: str) -> NotFound:
         f"{txid[:64]!r} is not prepared: it was committed, aborted or rolled back when its"
         " lease expired (or never existed); run the statement again",
     )
+
+
+def _one_table(req: RecycleRequest, paths: Iterable[tuple[Root, str, str]]) -> None:
+    """Refuse a recycle labelled as one table whose (root, path below it, key) span
+    several tables (Hive layout: `<root>/<db>.db/<table>`, or `<root>/<table>` for
+    `default`), or name a database directory. Refused rather than warned about: replicas
+    replay the event, so files filed under the wrong table are dropped or restored with
+    it there, long after a warning scrolled by."""
+    if req.table is None:
+        return
+    tables: dict[tuple[str, str], str] = {}
+    for root, rel, key in paths:
+        parts = rel.split("/")
+        in_db = parts[0].endswith(".db")
+        if in_db and len(parts) < 2:
+            raise BadRequest(
+                "one table per recycle",
+                f"{key} is database {parts[0][:-3]!r}, with all its tables: name the table's"
+                ' directory, or leave out "table" (--table)',
+            )
+        tables.setdefault((root.url, "/".join(parts[: 2 if in_db else 1])), key)
+    if len(tables) > 1:
+        a, b = list(tables.values())[:2]
+        raise BadRequest(
+            "one table per recycle",
+            f"{a} and {b} are in different tables, and the recycle is labelled as table "
+            f"{req.table!r}: recycle each table on its own with its own \"table\" (--table), "
+            'or leave out "table"',
+        )
 
 
 def _merge(first: RecycleRequest, more: RecycleRequest) -> RecycleRequest:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from cmroot import checksum as cks
-from tests.server.cmroot_daemon import Daemon, assert_error, write_files
+from tests.server.cmroot_daemon import Daemon, MakeDaemon, assert_error, tree, write_files
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -152,6 +152,45 @@ def test_recycle_refuses_paths_outside_the_roots_whole(lake: Daemon) -> None:
     )
     assert (d.warehouse / "db.db/mixed/plain").exists()
     assert (d.outside / "secret").read_bytes() == SECRET
+
+
+def test_recycle_files_one_table_under_one_table_label(lake: Daemon) -> None:
+    """A recycle labelled as a table must name that one table's files: events are
+    replayed, so another table's files filed under it would be dropped or restored with
+    it on every replica. A warehouse root itself is never recycled, labelled or not."""
+    d = lake
+    w = str(d.warehouse)
+    label = {"op": "DROP_TABLE", "db": "db", "table": "t"}
+    for paths, words in [
+        ([f"{w}/db.db/t/p=1", f"{w}/db.db/mixed/plain"], ["one table", "db.db/mixed", "--table"]),
+        ([f"{w}/db.db/t/p=1/good", f"{w}/db.db/mixed"], ["one table", '"table"']),
+        ([f"{w}/db.db"], ["one table", "database 'db'"]),
+    ]:
+        _check(d, "POST", "/v1/recycle", 400, *words, body={"paths": paths, **label})
+    for body in ({"paths": [w], **label}, {"paths": [w], "op": "DROP_TABLE"}):
+        _check(d, "POST", "/v1/recycle", 403, "warehouse root", body=body)
+
+
+def test_a_part_of_another_table_cannot_join_a_labelled_statement(
+    make_daemon: MakeDaemon,
+) -> None:
+    """Two-phase: each part may name one table, and all of them the same one; a part of
+    another table rolls the whole statement back, as any part that cannot join does."""
+    d = make_daemon()
+    w = d.warehouse
+    write_files(w, {"db.db/t/p=1/a": b"a", "db.db/t/p=2/b": b"b", "db.db/u/c": b"c"})
+    before = tree(w)
+    part = {"op": "DROP_PARTITION", "db": "db", "table": "t", "prepare": True}
+    r = d.request("POST", "/v1/recycle", {"paths": [str(w / "db.db/t/p=1")], **part})
+    assert r.status == 200, r
+    txid = r.json()["txid"]
+    r = d.request("POST", "/v1/recycle", {"paths": [str(w / "db.db/t/p=2")], "txid": txid, **part})
+    assert r.status == 200, r  # the same table: joins
+    r = d.request("POST", "/v1/recycle", {"paths": [str(w / "db.db/u")], "txid": txid, **part})
+    assert_error(r, 400, "one table", "db.db/u")
+    assert tree(w) == before
+    assert d.request("POST", f"/v1/transactions/{txid}/commit").status == 404
+    assert d.errors() == [], d.log()
 
 
 # -- POST /v1/resolve --------------------------------------------------------------------

@@ -159,7 +159,7 @@ def test_kill_9_during_recycle_is_all_or_nothing(lake: Daemon) -> None:
         db = f"crash{k}"
         files = _table(d, db, rng)
         before = tree(d.warehouse / f"{db}.db")
-        req = Request(d, [str(d.warehouse / f"{db}.db")], db)
+        req = Request(d, [str(d.warehouse / f"{db}.db" / "t")], db)
         req.start()
         cut = wait(req)
         d.kill()
@@ -188,7 +188,7 @@ def test_sigterm_during_recycle_finishes_or_rolls_back(lake: Daemon) -> None:
     d = lake
     files = _table(d, "term", random.Random(7))
     before = tree(d.warehouse / "term.db")
-    req = Request(d, [str(d.warehouse / "term.db")], "term")
+    req = Request(d, [str(d.warehouse / "term.db" / "t")], "term")
     req.start()
     cut = _wait_staged(d, req, 1)
     d.signal(signal.SIGTERM)
