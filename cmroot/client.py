@@ -102,7 +102,9 @@ class Resolutions(_Answer):
 
 class Client:
     """`url` is `http(s)://host:port`, or `unix:///path/to/socket` for the daemon's
-    `server.socket`; `socket` (a path) reaches an http URL's daemon through that socket."""
+    `server.socket`; `socket` (a path) reaches an http URL's daemon through that socket.
+    A daemon at capacity answers 503 with Retry-After having done nothing: requests are
+    sent again as it asks, for up to `busy_wait` seconds in all (0: raise at once)."""
 
     def __init__(
         self,
@@ -111,6 +113,7 @@ class Client:
         timeout: float = 600.0,
         ssl_context: ssl.SSLContext | None = None,
         socket: str | None = None,
+        busy_wait: float = 30.0,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme == "unix" and not socket:
@@ -131,6 +134,7 @@ class Client:
         self._token = token
         self._timeout = timeout
         self._ssl = ssl_context
+        self._busy_wait = busy_wait
         self._local = threading.local()
 
     # -- API -------------------------------------------------------------------------------
@@ -312,15 +316,21 @@ class Client:
 
     def healthy(self) -> bool:
         try:
-            return bool(self._json("GET", "/readyz").get("status") == "ready")
+            # not ready is an answer here, not a reason to wait
+            return bool(self._json("GET", "/readyz", busy_wait=0).get("status") == "ready")
         except CmrootError:
             return False
 
     # -- transport --------------------------------------------------------------------------
     def _json(
-        self, method: str, path: str, body: Any = None, retry: bool = False
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        retry: bool = False,
+        busy_wait: float | None = None,
     ) -> dict[str, Any]:
-        resp = self._request(method, path, body, retry=retry)
+        resp = self._request(method, path, body, retry=retry, busy_wait=busy_wait)
         if resp.status >= 400:
             self._raise(resp)
         try:
@@ -351,6 +361,7 @@ class Client:
         body: Any,
         headers: dict[str, str] | None = None,
         retry: bool = False,
+        busy_wait: float | None = None,
     ) -> http.client.HTTPResponse:
         payload = json.dumps(body, separators=(",", ":")).encode() if body is not None else None
         hdrs = {"Accept": "application/json", **(headers or {})}
@@ -358,6 +369,21 @@ class Client:
             hdrs["Content-Type"] = "application/json"
         if self._token:
             hdrs["Authorization"] = f"Bearer {self._token}"
+        # The daemon sends Retry-After with a 503 only when it did nothing (a full work
+        # queue, every connection busy, shutting down): sending again is safe, even a
+        # recycle, and a Spark statement waiting a second beats one failing.
+        deadline = time.monotonic() + (self._busy_wait if busy_wait is None else busy_wait)
+        while True:
+            resp = self._send(method, path, payload, hdrs, retry)
+            pause = _retry_after(resp)
+            if pause is None or time.monotonic() + pause > deadline:
+                return resp
+            resp.read()  # the error body, so the connection can be used again
+            time.sleep(pause)
+
+    def _send(
+        self, method: str, path: str, payload: bytes | None, hdrs: dict[str, str], retry: bool
+    ) -> http.client.HTTPResponse:
         # One retry on a stale keep-alive connection, only for requests that change nothing.
         for attempt in (0, 1):
             conn = self._connection()
@@ -400,6 +426,14 @@ class Client:
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+
+def _retry_after(resp: http.client.HTTPResponse) -> float | None:
+    """Seconds a 503 asks the client to wait (its Retry-After, in seconds), else None."""
+    if resp.status != 503:
+        return None
+    value = resp.getheader("Retry-After", "")
+    return float(value) if value.isdigit() else None
 
 
 class _UnixConnection(http.client.HTTPConnection):

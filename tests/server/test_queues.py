@@ -27,6 +27,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cmroot import checksum as cks
+from cmroot.client import Client
+from cmroot.exceptions import DaemonUnavailable
 from cmroot.server.app import LIMITS
 from cmroot.store.resolve import MAX_HASH_BYTES
 from tests.server.cmroot_daemon import Daemon, MakeDaemon, Reply, assert_error, write_files
@@ -250,3 +252,50 @@ def test_resolve_refuses_more_bytes_to_hash_than_its_bound(daemon: Daemon) -> No
     r = d.request("POST", "/v1/resolve", resolve_body(small), scope="read")
     assert r.status == 200 and r.json()["files"][0]["status"] == "original", r
     assert d.errors() == [], d.log()
+
+
+def test_the_client_waits_out_a_full_queue(daemon: Daemon) -> None:
+    """A Client sends a request refused 503 + Retry-After again, as the daemon asks: a
+    hook's resolve behind a full class goes through once there is room; with no time to
+    wait (busy_wait=0) the 503 is raised at once."""
+    d = daemon
+    limit = LIMITS["resolve"].admitted
+    files = write_files(d.warehouse, {f"db.db/w/f{i}": b"waited %d" % i for i in range(limit)})
+    pairs = [{"path": p, "checksum": cks.of_bytes(b)} for p, b in files.items()]
+    held = HeldPosts(
+        d, "/v1/resolve", "read", [encode(resolve_body({p: b})) for p, b in files.items()]
+    )
+    held.start()
+    outcome: list[Any] = []
+    try:
+        wait_depth(d, "resolve", limit)
+        with pytest.raises(DaemonUnavailable, match="resolve"):
+            Client(d.url, token=d.tokens["read"], busy_wait=0).resolve(pairs)
+        waiting = threading.Thread(
+            target=lambda: outcome.append(
+                Client(d.url, token=d.tokens["read"], busy_wait=120).resolve(pairs)
+            ),
+            daemon=True,
+        )
+        waiting.start()
+        # Released only once the waiting client has been refused at least once.
+        deadline = time.monotonic() + 60
+        while refused(d, "/v1/resolve") < 2:
+            assert time.monotonic() < deadline, d.log()
+            time.sleep(0.05)
+    finally:
+        held.release()
+    waiting.join(120)
+    (res,) = outcome
+    assert [r.status for r in res.files] == ["original"] * limit
+
+
+def refused(d: Daemon, route: str) -> float:
+    for fam in text_string_to_metric_families(d.metrics()):
+        for s in fam.samples:
+            if s.name == "cmroot_http_requests_total" and s.labels == {
+                "route": route,
+                "code": "503",
+            }:
+                return s.value
+    return 0.0
