@@ -14,12 +14,13 @@ What is protected, and how:
 - **The roots and their ancestors.** A warehouse root (`warehouse_roots=`, default the
   cmroot config's `store.warehouse_roots`) and every directory that contains one (`/lake`
   for the root `/lake/warehouse`, and `/`) is never removed, moved or written over: `rm`
-  (recursive or not, named or matched by a glob), `rm_file`, `rmdir`, `mv`/`rename` of one
-  or onto one, and every write onto one raise `Forbidden` naming the root and the fix,
-  before anything is listed or deleted, whether the daemon is up or not (`fail_open`
-  included). Paths are compared after normalisation: `..`, repeated and trailing slashes,
-  URL chaining (`cmroot::file:///lake`) and, on the local filesystem, symlinks (a path is
-  refused if it or its real path is, or contains, a root's configured or real path).
+  (recursive or not, named or matched by a glob), `rm_file`, `rmdir`, `mv`/`rename` of
+  one or onto one's name (moving files *into* a root is fine) and every write onto one
+  raise `Forbidden` naming the root and the fix, before anything is listed or deleted,
+  whether the daemon is up or not (`fail_open` included). Paths are compared after
+  normalisation: `..`, repeated and trailing slashes, URL chaining
+  (`cmroot::file:///lake`) and, on the local filesystem, symlinks (a path is refused if
+  it or its real path is, or contains, a root's configured or real path).
 - **Deletes.** Files under a root (by name, or by real path through a symlinked directory;
   Spark and Hive staging directories excepted) are recycled before they go, every path of
   the call in one all-or-nothing request. When the same call also deletes paths outside
@@ -40,16 +41,19 @@ What is protected, and how:
   sources returned.
 - **The lease.** Between prepare and commit there are only renames on a local
   filesystem (the long writes come before the prepare); on an object store a move-in is a
-  server-side copy, so the lease is renewed whenever a third of it has passed.
+  server-side copy, which can take long for big objects, so between move-ins the lease is
+  renewed whenever a third of it has passed.
 - **A commit that fails** after the new files are in place is retried (`retry_delays`:
-  the daemon may be restarting). If it still fails, the call raises a CmrootError saying
-  the change was applied but not recorded. The new files stay. The daemon rolls the
-  prepared transaction back when its lease (`store.prepare_lease`) ends; as each path
-  now holds its new file, and a rollback never overwrites, the old bytes are kept in the
-  store as *displaced* entries, retrievable by path and old checksum, with no event.
-  Nothing is lost and no replica replays a change that is not recorded; replicas do not
-  see this overwrite either, so the error says to bootstrap what they replicate. For a
-  delete the rollback puts the files back at their paths.
+  the daemon may be restarting); a retry that finds the transaction gone looks in the
+  entries for whether an earlier try committed before its answer was lost. If the commit
+  cannot be made, the call raises a CmrootError saying the change was applied but not
+  recorded. The new files stay (taking them back could leave neither file, were the
+  commit in fact made). The daemon rolls the prepared transaction back when its lease
+  (`store.prepare_lease`) ends; as each path now holds its new file, and a rollback never
+  overwrites, the old bytes are kept in the store as *displaced* entries, retrievable by
+  path and old checksum, with no event. Nothing is lost and no replica replays a change
+  that is not recorded; replicas do not see this overwrite either, so the error says to
+  bootstrap what they replicate. For a delete, the rollback puts the files back.
 
 If the daemon refuses or is unreachable, the call raises a CmrootError and nothing is
 deleted, unless `fail_open=True`: then it is logged and counted in
@@ -307,9 +311,10 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         if replaced:
             message = f"the overwrite of {what} was applied but not recorded"
             after = (
-                "the new files are in place. The daemon rolls the prepared transaction"
-                f" {tx.txid} back when its lease ends ({tx.until}); as each path now holds"
-                " its new file, the old bytes are kept in the store as displaced entries,"
+                f"the new files are in place. The daemon rolls the prepared transaction"
+                f" {tx.txid} back when its lease ends ({tx.until}), if it has not already;"
+                " as each path now holds its new file, the old bytes are kept in the store"
+                " as displaced entries,"
                 " retrievable by path and old checksum, with no event: nothing is lost,"
                 " but replicas replaying the event log do not see this overwrite;"
                 " bootstrap the tables they replicate from here"
@@ -322,7 +327,8 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
             message = f"the delete of {what} could not be recorded"
             after = (
                 f"the daemon puts the files back when the lease of transaction {tx.txid}"
-                f" ends ({tx.until}), with no event; paths outside the warehouse roots"
+                f" ends ({tx.until}), if it has not already, with no event; paths outside"
+                " the warehouse roots"
                 " named by the same call are deleted: run it again once the daemon is back"
             )
         raise CmrootError(message, f"{error}; {after}") from error
@@ -532,12 +538,6 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         if self.fs.lexists(path):
             self.fs.rm_file(path)
 
-    def _move(self, src: str, dst: str) -> None:
-        parent = self.fs._parent(dst)
-        if parent:
-            self.fs.makedirs(parent, exist_ok=True)
-        self.fs.mv(src, dst)
-
     def _give_back(self, src: str, where: str) -> None:
         """Undo a move of `src` to `where`; if `src` is taken again, the file stays."""
         if not self.fs.lexists(where):
@@ -548,7 +548,7 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
                 extra={"path": where, "source": src},
             )
             return
-        self._move(where, src)
+        self.fs.mv(where, src)
 
     def _pairs(
         self,
@@ -723,11 +723,10 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
             if self._is_dir(d)
         ]
         with self._one_call():
-            for d in dirs:
-                self._refuse_roots([d])
+            for d in dirs:  # never destructive: an existing one (a root, say) is kept as is
                 self.fs.makedirs(d, exist_ok=True)
             for src, to in pairs:
-                self._replace(to, partial(self._move, src), partial(self._give_back, src))
+                self._replace(to, partial(self.fs.mv, src), partial(self._give_back, src))
         self._prune(emptied)
 
     def touch(self, path: str, truncate: bool = True, **kwargs: Any) -> None:
