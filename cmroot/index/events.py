@@ -33,12 +33,14 @@ PAGE_BYTES = 4 << 20  # the most a page's JSON may take; read at call time (test
 FILES_FETCH = 2000  # file rows read from SQLite per step while filling a page
 
 _EVENT_COLUMNS = "id, type, db, tbl, partitions, timestamp, server, purge, meta"
-# The largest tableObj served, in bytes of stored JSON, and in levels of nesting. POST
-# /v1/events accepts 1 MiB and 32 levels (cmroot.server.schemas); stored by json.dumps,
-# which escapes non-ASCII characters, 1 MiB takes at most 3. One this large still fits a
-# page (PAGE_BYTES); a stored one beyond either limit is served as the OMITTED marker.
-MAX_TABLE_OBJ = 3 << 20
+# The largest tableObj POST /v1/events accepts (cmroot.server.schemas checks it), in bytes
+# of JSON, and in levels of nesting (a Hive table definition is under 10 levels deep).
+ACCEPTED_TABLE_OBJ = 1 << 20
 MAX_TABLE_OBJ_DEPTH = 32
+# The largest served, in bytes of stored JSON: json.dumps escapes non-ASCII characters, so
+# an accepted one takes at most three times its size. One this large still fits a page
+# (PAGE_BYTES); a stored one beyond either limit is served as the OMITTED marker.
+MAX_TABLE_OBJ = 3 * ACCEPTED_TABLE_OBJ
 OMITTED = "_cmroot"  # the one key of the marker served in place of such a tableObj
 _LOCATION_FIRST = '{"location": '  # how _insert_event's json.dumps starts a meta
 _BIG_INT = 2**63  # the widest integer a cursor field can hold
@@ -307,7 +309,7 @@ def _table_obj(value: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(value, dict):
         return _omitted(f"a JSON {type(value).__name__}, not an object")
-    if _depth(value) > MAX_TABLE_OBJ_DEPTH:
+    if json_depth(value) > MAX_TABLE_OBJ_DEPTH:
         return _omitted(f"nested over {MAX_TABLE_OBJ_DEPTH} levels deep")
     return value
 
@@ -327,7 +329,7 @@ def _location_of(text: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _depth(value: Any) -> int:
+def json_depth(value: Any) -> int:
     """Nesting depth of decoded JSON (at most MAX_TABLE_OBJ_DEPTH + 1), walked without
     recursion."""
     deepest = 0

@@ -17,6 +17,7 @@ import msgspec
 from msgspec import UNSET, Meta, Raw, Struct, UnsetType
 
 from cmroot.exceptions import BadRequest
+from cmroot.index.events import ACCEPTED_TABLE_OBJ, MAX_TABLE_OBJ_DEPTH, json_depth
 from cmroot.store import RecycleRequest
 from cmroot.vocab import DESTRUCTIVE, RECORDABLE, EventType, Mode
 
@@ -26,8 +27,6 @@ MAX_PATH = 4096  # = store.warehouse.MAX_PATH, in characters
 MAX_ITEMS = 100_000  # paths, partitions or resolve pairs in one request (= MAX_PAIRS)
 MAX_EVENT_FILES = 1_000_000  # files of one recorded event (the body size caps them first)
 MAX_PARTITION_KEYS = 256
-MAX_TABLE_OBJ = 1 << 20  # bytes of a tableObj's JSON: a page of the log always fits one
-MAX_TABLE_OBJ_DEPTH = 32  # a Hive table definition is under 10 levels deep
 MAX_INT = 2**63 - 1  # SQLite's integers
 MAX_TIMESTAMP = 1e11  # seconds since the epoch: year 5138
 _ECHO = 200  # characters of a refused value echoed back in a detail
@@ -134,10 +133,10 @@ class EventBody(
     table_json: Raw = Raw(b"null")  # decoded by table_obj(), once its size is known
 
     def table_obj(self) -> dict[str, Any] | None:
-        """The table definition, refused when over MAX_TABLE_OBJ bytes or
+        """The table definition, refused when over ACCEPTED_TABLE_OBJ bytes or
         MAX_TABLE_OBJ_DEPTH levels: the event log must be able to page every event."""
         raw = bytes(self.table_json)
-        if len(raw) > MAX_TABLE_OBJ:
+        if len(raw) > ACCEPTED_TABLE_OBJ:
             raise BadRequest(
                 "bad tableObj",
                 f"{len(raw)} bytes of JSON: {_HINTS['tableObj']}",
@@ -146,28 +145,12 @@ class EventBody(
             obj: dict[str, Any] | None = _TABLE_OBJ.decode(raw)
         except (msgspec.ValidationError, RecursionError) as e:
             raise BadRequest("bad tableObj", f"{_reason(e)}: {_HINTS['tableObj']}") from None
-        if obj is not None and _depth(obj) > MAX_TABLE_OBJ_DEPTH:
+        if obj is not None and json_depth(obj) > MAX_TABLE_OBJ_DEPTH:
             raise BadRequest("bad tableObj", f"nested too deep: {_HINTS['tableObj']}")
         return obj
 
 
 _TABLE_OBJ = msgspec.json.Decoder(dict[str, Any] | None)
-
-
-def _depth(value: Any) -> int:
-    """Nesting depth of decoded JSON, walked without recursion."""
-    deepest = 0
-    todo: list[tuple[Any, int]] = [(value, 1)]
-    while todo:
-        v, d = todo.pop()
-        deepest = max(deepest, d)
-        if d > MAX_TABLE_OBJ_DEPTH:
-            break
-        if isinstance(v, dict):
-            todo.extend((c, d + 1) for c in v.values())
-        elif isinstance(v, list):
-            todo.extend((c, d + 1) for c in v)
-    return deepest
 
 
 # -- query strings -----------------------------------------------------------------------
@@ -243,7 +226,7 @@ _HINTS = {
     "size": f"give the size in bytes as a non-negative integer (at most {MAX_INT})",
     "timestamp": "give seconds since the epoch, or leave it out (the daemon stamps events)",
     "tableObj": (
-        f"give the table definition as a JSON object of at most {MAX_TABLE_OBJ} bytes and "
+        f"give the table definition as a JSON object of at most {ACCEPTED_TABLE_OBJ} bytes and "
         f"{MAX_TABLE_OBJ_DEPTH} levels, integers within 64 bits"
     ),
     "limit": "give an integer within the range",
