@@ -167,6 +167,36 @@ def test_several_overwrites_in_one_call_are_one_event(daemon: Daemon, tmp_path: 
     assert all(status(daemon, p, b) == "cmroot" for p, b in files.items())
 
 
+def test_mv_of_several_files_onto_existing_ones_is_one_event(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    files = table(daemon, 2)
+    paths = sorted(files)
+    local = write_files(tmp_path, {f"new-{i}": f"moved {i}".encode() for i in range(2)})
+    since = daemon.client().current_event()
+    hook(daemon).mv(sorted(local), paths)
+    [event] = events_after(daemon, since)
+    assert sorted(f["path"] for f in event["files"]) == paths
+    assert [Path(p).read_bytes() for p in paths] == [b"moved 0", b"moved 1"]
+    assert not any(Path(p).exists() for p in local)
+
+
+def test_rm_with_a_depth_limit_recycles_what_it_removes_and_nothing_more(
+    daemon: Daemon,
+) -> None:
+    """The local target's rm ignores maxdepth (it removes a directory whole): files down to
+    the depth are recycled in one event, a deeper one stays, emptied directories go."""
+    files = table(daemon, 2)
+    t = Path(sorted(files)[0]).parent.parent
+    deep = write_files(t, {"p=0/sub/deeper.parquet": b"deeper"})
+    since = daemon.client().current_event()
+    hook(daemon).rm(str(t), recursive=True, maxdepth=2)
+    [event] = events_after(daemon, since)
+    assert sorted(f["path"] for f in event["files"]) == sorted(files)
+    assert unchanged(deep)
+    assert sorted(os.listdir(t)) == ["p=0"] and os.listdir(t / "p=0") == ["sub"]
+
+
 def escaping(d: Daemon, files: dict[str, bytes], name: str) -> str:
     """A symlink under the root to a file outside it: the daemon refuses to recycle it."""
     outside = d.outside / f"{name}-{os.urandom(4).hex()}"
