@@ -631,6 +631,12 @@ def _spark_conf(args: argparse.Namespace) -> int:
 
     config = _load(args)
     url = args.url or config.server.base_url
+    if not url.startswith(("http://", "https://")):
+        # The JVM hook speaks HTTP over TCP only; a unix:// URL would fail every statement.
+        raise ConfigError(
+            f"spark-conf needs the daemon's http(s) URL, not {url!r}",
+            "give --url http://host:port (the daemon listens on TCP besides server.socket)",
+        )
     conf = spark.spark_conf(url, args.token, fail_open=args.fail_open)
     # The local config's roots are that daemon's only when it is the daemon the URL names:
     # for another one, a guessed warehouse dir would point Spark outside its roots.

@@ -65,6 +65,14 @@ def test_bad_arguments_are_one_line(tmp_path: Path, args: list[str], words: list
     one_line_error(cmroot("--config", str(cfg), *args), 2, *words)
 
 
+def test_spark_conf_refuses_a_unix_socket_url(tmp_path: Path) -> None:
+    """The JVM hook speaks HTTP over TCP: a unix:// URL in its conf would fail every
+    destructive statement, so spark-conf refuses it up front."""
+    cfg = local_config(tmp_path)
+    url = "unix:///run/cmroot/cmroot.sock"
+    one_line_error(cmroot("--config", str(cfg), "spark-conf", "--url", url), 1, "http://")
+
+
 def test_recycle_without_op_moves_nothing(tmp_path: Path) -> None:
     cfg = local_config(tmp_path)
     write_files(tmp_path / "wh", {"t/f": b"x"})
