@@ -198,9 +198,9 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
                             "a warehouse root, or a directory that contains one, is never"
                             " removed, moved or overwritten",
                             f"{p} {'is' if name == spelling else 'contains'} the warehouse"
-                            f" root {root}: nothing was changed. Name the"
-                            f" tables or files under {root} instead (they are recycled); to"
-                            " retire the warehouse itself, take it out of warehouse_roots"
+                            f" root {root}: nothing was changed. Name the tables or files"
+                            f" under {root} instead (they are recycled); to retire the"
+                            " warehouse itself, take it out of warehouse_roots"
                             " (store.warehouse_roots) first",
                         )
 
@@ -245,7 +245,7 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         )
 
     def _is_dir(self, path: str) -> bool:
-        """A directory itself, not a symlink to one (that is a file to delete)."""
+        """A directory itself; a symlink to one is a name, removed as a file is."""
         if self._local:
             return os.path.isdir(path) and not os.path.islink(path)
         return bool(self.fs.isdir(path))
