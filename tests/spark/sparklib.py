@@ -147,6 +147,44 @@ def hooked_lake(
         daemon.stop()
 
 
+@contextlib.contextmanager
+def app_conf(spark: Any, key: str, value: str) -> Iterator[None]:
+    """`key` set in the application's static conf (the SparkConf its SparkEnv shares) for the
+    duration: what an administrator sets at launch. The cmroot settings are read from there
+    only; a session cannot change them (`SET` and `spark.conf.set` are refused)."""
+    conf = spark.sparkContext._jsc.sc().conf()  # the SparkConf its SparkEnv holds
+    old = conf.getOption(key)
+    conf.set(key, value)
+    try:
+        yield
+    finally:
+        if old.isDefined():
+            conf.set(key, old.get())
+        else:
+            conf.remove(key)
+
+
+@contextlib.contextmanager
+def shim_log(spark: Any) -> Iterator[Any]:
+    """What the JVM shim logs (logger io.cmroot.spark) for the duration, as a callable
+    returning the text so far: the JVM writes to its own stderr, which pytest's capfd does
+    not see."""
+    jvm = spark.sparkContext._jvm
+    log4j = jvm.org.apache.logging.log4j
+    writer = jvm.java.io.StringWriter()
+    appender = log4j.core.appender.WriterAppender.createAppender(
+        log4j.core.layout.PatternLayout.createDefaultLayout(), None, writer, "cmroot-test",
+        False, True)
+    appender.start()
+    logger = log4j.LogManager.getContext(False).getLogger("io.cmroot.spark")
+    logger.addAppender(appender)
+    try:
+        yield lambda: str(writer.toString())
+    finally:
+        logger.removeAppender(appender)
+        appender.stop()
+
+
 def spark_settings(base: Path, warehouse: Path) -> dict[str, str]:
     """local[2], an embedded Derby metastore and scratch dirs under `base`: as Spark conf,
     for a builder here or `--with` options of a `cmroot repl` subprocess."""

@@ -23,6 +23,7 @@ import pytest
 
 from cmroot import checksum as cks
 from tests.spark.conftest import Lake
+from tests.spark.sparklib import app_conf
 from tests.spark.test_spark_failure import error_chain
 
 pytestmark = pytest.mark.timeout(600)
@@ -48,7 +49,7 @@ def shape(e: dict[str, Any]) -> tuple[Any, ...]:
 
 def data_files(d: Path) -> set[str]:
     """The data files under d: no hidden (".x.crc", "_SUCCESS") or temporary names."""
-    out = set()
+    out: set[str] = set()
     for dirpath, dirnames, filenames in os.walk(d):
         dirnames[:] = [n for n in dirnames if not n.startswith((".", "_"))]
         out.update(os.path.join(dirpath, f) for f in filenames if not f.startswith((".", "_")))
@@ -253,13 +254,9 @@ def test_an_unrecorded_change_fails_the_statement_saying_so(lake: Lake, db: str)
 def test_fail_open_counts_unrecorded_changes(lake: Lake, db: str) -> None:
     jvm = lake.spark.sparkContext._jvm
     counted = jvm.io.cmroot.spark.Cmroot.failOpenEvents()
-    lake.spark.conf.set("spark.cmroot.failOpen", "true")
-    try:
-        with lake.daemon.down():
-            lake.sql(f"CREATE TABLE {DB}.open (a INT) USING parquet")
-            lake.sql(f"INSERT INTO {DB}.open VALUES (1)")
-    finally:
-        lake.spark.conf.unset("spark.cmroot.failOpen")
+    with app_conf(lake.spark, "spark.cmroot.failOpen", "true"), lake.daemon.down():
+        lake.sql(f"CREATE TABLE {DB}.open (a INT) USING parquet")
+        lake.sql(f"INSERT INTO {DB}.open VALUES (1)")
     assert jvm.io.cmroot.spark.Cmroot.failOpenEvents() == counted + 2
     assert [tuple(r) for r in lake.sql(f"SELECT a FROM {DB}.open")] == [(1,)]
 

@@ -1,7 +1,7 @@
 """Failure semantics of the Spark hook (invariant 2): a statement that fails leaves the
 table's data as it was; with the daemon down every destructive statement fails with an
-error naming cmroot and deletes nothing; `spark.cmroot.failOpen=true` lets it go on,
-logged and counted."""
+error naming cmroot and deletes nothing; `spark.cmroot.failOpen=true` (an application
+setting) lets it go on, logged and counted."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.spark.conftest import Lake
-from tests.spark.sparklib import data_files
+from tests.spark.sparklib import app_conf, data_files
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -93,7 +93,7 @@ def test_failing_dataframe_overwrite_leaves_the_table(lake: Lake) -> None:
     unchanged(lake, "fail_df", before, since)
 
 
-DOWN_STATEMENTS: dict[str, Callable[[Lake, str], None]] = {
+DOWN_STATEMENTS: dict[str, Callable[[Lake, str], object]] = {
     "drop-table": lambda lake, t: lake.sql(f"DROP TABLE {t}"),
     "drop-partition": lambda lake, t: lake.sql(f"ALTER TABLE {t} DROP PARTITION (p=1)"),
     "truncate": lambda lake, t: lake.sql(f"TRUNCATE TABLE {t}"),
@@ -126,13 +126,9 @@ def test_fail_open_proceeds_and_counts(lake: Lake) -> None:
     jvm = lake.spark.sparkContext._jvm
     counted = jvm.io.cmroot.spark.Cmroot.failOpenDeletes()
     since = lake.daemon.current()
-    lake.spark.conf.set("spark.cmroot.failOpen", "true")
-    try:
-        with lake.daemon.down():
-            lake.sql("ALTER TABLE fail_open DROP PARTITION (p=1)")
-            lake.sql("DROP TABLE fail_open")
-    finally:
-        lake.spark.conf.unset("spark.cmroot.failOpen")
+    with app_conf(lake.spark, "spark.cmroot.failOpen", "true"), lake.daemon.down():
+        lake.sql("ALTER TABLE fail_open DROP PARTITION (p=1)")
+        lake.sql("DROP TABLE fail_open")
     assert before and not lake.table_dir("fail_open").exists()
     assert jvm.io.cmroot.spark.Cmroot.failOpenDeletes() >= counted + 2
     assert lake.daemon.events_after(since) == []
@@ -142,10 +138,7 @@ def test_fail_open_proceeds_and_counts(lake: Lake) -> None:
 def test_disabled_deletes_as_spark_does(lake: Lake) -> None:
     make(lake, "disabled")
     since = lake.daemon.current()
-    lake.spark.conf.set("spark.cmroot.enabled", "false")
-    try:
+    with app_conf(lake.spark, "spark.cmroot.enabled", "false"):
         lake.sql("DROP TABLE disabled")
-    finally:
-        lake.spark.conf.unset("spark.cmroot.enabled")
     assert not lake.table_dir("disabled").exists()
     assert lake.daemon.events_after(since) == []

@@ -27,18 +27,17 @@ import org.slf4j.Logger;
 import org.slf4j.LoggerFactory;
 
 /**
- * The shared core of the cmroot Spark shim: settings, the statement context, the path rules
- * (which paths are recycled), the table definition replication recreates tables from, and
- * the two HTTP calls the shim makes, {@code POST /v1/recycle} and {@code POST /v1/events}.
- * All store logic lives in the daemon; this only tells it what to recycle and what changed.
+ * The shared core of the cmroot Spark shim: settings, the path rules (which paths are
+ * recycled, which are refused), the statement context type, the table definition replication
+ * recreates tables from, and the daemon's HTTP calls ({@link CmrootTransaction} makes the
+ * two-phase recycles, {@link #addEvent} records events). All store logic lives in the daemon;
+ * this only tells it what to recycle and what changed.
  */
 public final class Cmroot {
   static final Logger LOG = LoggerFactory.getLogger("io.cmroot.spark");
 
   /** Deletions that went ahead without a recycle because spark.cmroot.failOpen=true. */
   public static final AtomicLong FAIL_OPEN_DELETES = new AtomicLong();
-  /** Recycle requests the daemon accepted. */
-  public static final AtomicLong RECYCLE_REQUESTS = new AtomicLong();
   /** Events (changes already made) not recorded because spark.cmroot.failOpen=true. */
   public static final AtomicLong FAIL_OPEN_EVENTS = new AtomicLong();
 
@@ -51,17 +50,13 @@ public final class Cmroot {
     return FAIL_OPEN_DELETES.get();
   }
 
-  public static long recycleRequests() {
-    return RECYCLE_REQUESTS.get();
-  }
-
   public static long failOpenEvents() {
     return FAIL_OPEN_EVENTS.get();
   }
 
   // -- settings ---------------------------------------------------------------------------
 
-  /** The spark.cmroot.* settings, read from the SparkConf (or a Hadoop conf, or the env). */
+  /** The spark.cmroot.* settings of the application (see {@link #conf}). */
   public static final class Settings {
     public final String url;
     public final String token;
@@ -69,46 +64,38 @@ public final class Cmroot {
     public final boolean failOpen;
     public final boolean debug;
     public final List<String> roots;
+    /** Seconds a prepared recycle is held for its statement between renewals. */
+    public final long leaseSeconds;
 
     Settings(String url, String token, boolean enabled, boolean failOpen, boolean debug,
-        List<String> roots) {
+        List<String> roots, long leaseSeconds) {
       this.url = url;
       this.token = token;
       this.enabled = enabled;
       this.failOpen = failOpen;
       this.debug = debug;
       this.roots = roots;
+      this.leaseSeconds = leaseSeconds;
     }
   }
 
+  /** The keys a session may not change: they decide whether and where files are kept. */
+  public static final List<String> FIXED_KEYS = List.of("url", "token", "enabled", "failOpen",
+      "warehouseRoots", "lease");
+
   /**
-   * spark.cmroot.KEY: from the active session's runtime conf (so `SET spark.cmroot.failOpen`
-   * works per session), else the SparkConf, else the Hadoop conf (spark.cmroot.KEY or
-   * cmroot.KEY), else $CMROOT_KEY.
+   * spark.cmroot.KEY from the application's static conf (the SparkConf every SparkEnv of the
+   * application shares: driver and executors), else $CMROOT_KEY. Never the session's runtime
+   * conf nor the per-query Hadoop conf, which a SQL user can change with SET: the protection
+   * is the application's, not a session switch. Without Spark in this JVM (a bare Hadoop
+   * client or a standalone metastore) it is the Hadoop conf's spark.cmroot.KEY or cmroot.KEY.
    */
   static String conf(Configuration hconf, String key, String dflt) {
     String v = null;
-    try {
-      scala.Option<org.apache.spark.sql.SparkSession> active =
-          org.apache.spark.sql.SparkSession.getActiveSession();
-      if (active.isDefined()) {
-        scala.Option<String> o = active.get().conf().getOption("spark.cmroot." + key);
-        if (o.isDefined()) {
-          v = o.get();
-        }
-      }
-    } catch (Throwable e) {
-      // no session on this thread
-    }
-    try {
-      org.apache.spark.SparkEnv env = org.apache.spark.SparkEnv.get();
-      if (v == null && env != null && env.conf().contains("spark.cmroot." + key)) {
-        v = env.conf().get("spark.cmroot." + key);
-      }
-    } catch (Throwable e) {
-      // no Spark in this JVM (a bare Hadoop client): fall through to the Hadoop conf
-    }
-    if (v == null && hconf != null) {
+    org.apache.spark.SparkConf spark = sparkConf();
+    if (spark != null) {
+      v = spark.get("spark.cmroot." + key, null);
+    } else if (hconf != null) {
       v = hconf.get("spark.cmroot." + key, hconf.get("cmroot." + key));
     }
     if (v == null) {
@@ -117,24 +104,23 @@ public final class Cmroot {
     return v == null || v.isEmpty() ? dflt : v;
   }
 
-  private static String sparkConf(String key) {
+  /** The application's SparkConf, or null without a running Spark application here. */
+  static org.apache.spark.SparkConf sparkConf() {
     try {
       org.apache.spark.SparkEnv env = org.apache.spark.SparkEnv.get();
-      if (env != null && env.conf().contains(key)) {
-        return env.conf().get(key);
-      }
+      return env == null ? null : env.conf();
     } catch (Throwable e) {
-      // no Spark
+      return null; // no Spark classes in this JVM
     }
-    return null;
   }
 
   public static Settings settings(Configuration hconf) {
     String roots = conf(hconf, "warehouseRoots", null);
-    if (roots == null) {
-      roots = sparkConf("spark.sql.warehouse.dir");
+    org.apache.spark.SparkConf spark = sparkConf();
+    if (roots == null && spark != null) {
+      roots = spark.get("spark.sql.warehouse.dir", null);
     }
-    if (roots == null && hconf != null) {
+    if (roots == null && spark == null && hconf != null) {
       roots = hconf.get("spark.sql.warehouse.dir", hconf.get("hive.metastore.warehouse.dir"));
     }
     List<String> list = new ArrayList<>();
@@ -155,7 +141,33 @@ public final class Cmroot {
         url != null && Boolean.parseBoolean(conf(hconf, "enabled", "true")),
         Boolean.parseBoolean(conf(hconf, "failOpen", "false")),
         Boolean.parseBoolean(conf(hconf, "debug", "false")),
-        list);
+        list,
+        seconds(conf(hconf, "lease", "10m"), "spark.cmroot.lease"));
+  }
+
+  /** "90s", "10m", "1h" or plain seconds, as seconds (the daemon takes 1 s to 1 day). */
+  static long seconds(String value, String key) {
+    String v = value.trim().toLowerCase(Locale.ROOT);
+    long unit = 1;
+    if (v.endsWith("s")) {
+      v = v.substring(0, v.length() - 1);
+    } else if (v.endsWith("m")) {
+      unit = 60;
+      v = v.substring(0, v.length() - 1);
+    } else if (v.endsWith("h")) {
+      unit = 3600;
+      v = v.substring(0, v.length() - 1);
+    }
+    try {
+      long n = Long.parseLong(v.trim()) * unit;
+      if (n >= 1 && n <= 86400) {
+        return n;
+      }
+    } catch (NumberFormatException e) {
+      // reported below
+    }
+    throw new IllegalArgumentException("cmroot: " + key + "=" + value + " is not a duration "
+        + "between 1s and 24h: write it like 90s, 10m or 1h");
   }
 
   // -- paths ------------------------------------------------------------------------------
@@ -256,6 +268,113 @@ public final class Cmroot {
     return false;
   }
 
+  /** The warehouse root that `path` is, or contains; null if none. */
+  static String rootWithin(String path, Settings s) {
+    if (path == null || !s.enabled) {
+      return null;
+    }
+    for (String root : s.roots) {
+      if (under(root, path)) {
+        return root;
+      }
+    }
+    return null;
+  }
+
+  /**
+   * Refuse (throw) a delete of `path` when it is a warehouse root or contains one: removing it
+   * would take the whole warehouse with it, and nothing of it would be kept (invariant 5).
+   */
+  static void refuseRootRemoval(String path, Settings s, String what) throws RecycleException {
+    String root = rootWithin(path, s);
+    if (root != null && Files.exists(Paths.get(path), java.nio.file.LinkOption.NOFOLLOW_LINKS)) {
+      String msg = "cmroot refuses " + what + " " + path + ": "
+          + (root.equals(path) ? "it is" : "it contains") + " the warehouse root " + root
+          + ", which is never removed. Nothing was deleted. Delete the tables or files under "
+          + root + " instead, or write to a directory that holds no warehouse root";
+      LOG.error(msg);
+      throw new RecycleException(msg, null);
+    }
+  }
+
+  /**
+   * Every file (and symlink) under `dir`, or `dir` itself when it is one, skipping Spark's and
+   * Hive's temporary directories: what a delete of `dir` asked now would remove.
+   */
+  static List<String> filesUnder(String dir) throws IOException {
+    Path root = Paths.get(dir);
+    List<String> out = new ArrayList<>();
+    if (!Files.isDirectory(root, java.nio.file.LinkOption.NOFOLLOW_LINKS)) {
+      if (Files.exists(root, java.nio.file.LinkOption.NOFOLLOW_LINKS)) {
+        out.add(dir);
+      }
+      return out;
+    }
+    Files.walkFileTree(root, new java.nio.file.SimpleFileVisitor<Path>() {
+      @Override
+      public java.nio.file.FileVisitResult preVisitDirectory(Path d,
+          java.nio.file.attribute.BasicFileAttributes a) {
+        return !d.equals(root) && isTemporaryName(d.getFileName().toString())
+            ? java.nio.file.FileVisitResult.SKIP_SUBTREE
+            : java.nio.file.FileVisitResult.CONTINUE;
+      }
+
+      @Override
+      public java.nio.file.FileVisitResult visitFile(Path f,
+          java.nio.file.attribute.BasicFileAttributes a) {
+        out.add(f.toString());
+        return java.nio.file.FileVisitResult.CONTINUE;
+      }
+
+      @Override
+      public java.nio.file.FileVisitResult visitFileFailed(Path f, IOException e)
+          throws IOException {
+        if (e instanceof java.nio.file.NoSuchFileException) {
+          return java.nio.file.FileVisitResult.CONTINUE; // removed meanwhile: not ours to keep
+        }
+        throw e;
+      }
+    });
+    java.util.Collections.sort(out);
+    return out;
+  }
+
+  /**
+   * What a directory holds (the entries with files in them), so that the directory itself
+   * stays for the metastore to delete (it logs an error when the directory it drops is
+   * already gone); the directory itself when it cannot be listed.
+   */
+  static List<String> contents(String dir) throws IOException {
+    String[] names = new File(dir).list();
+    List<String> out = new ArrayList<>();
+    if (names == null) {
+      out.add(dir);
+      return out;
+    }
+    Arrays.sort(names);
+    for (String n : names) {
+      File f = new File(dir, n);
+      if (holdsFiles(f.toPath())) {
+        out.add(f.getPath());
+      }
+    }
+    return out;
+  }
+
+  /** Remove the directories under and including `dir` that hold nothing, deepest first. */
+  static void removeEmptyDirectories(File dir) {
+    File[] children = dir.listFiles();
+    if (children == null) {
+      return;
+    }
+    for (File c : children) {
+      if (c.isDirectory() && !Files.isSymbolicLink(c.toPath())) {
+        removeEmptyDirectories(c);
+      }
+    }
+    dir.delete(); // fails, as it should, when something is left
+  }
+
   /** Does the tree at `p` hold at least one file (or symlink)? */
   static boolean holdsFiles(Path p) throws IOException {
     if (!Files.isDirectory(p, java.nio.file.LinkOption.NOFOLLOW_LINKS)) {
@@ -347,48 +466,11 @@ public final class Cmroot {
     }
   }
 
-  // Inheritable: Hive deletes a table's old files from a pool it starts for the call.
-  private static final InheritableThreadLocal<Ctx> CONTEXT = new InheritableThreadLocal<>();
-
-  public static void setContext(Ctx ctx) {
-    DEFERRED_INSERTS.remove(); // a CTAS that failed before its table existed left it here
-    if (ctx == null) {
-      CONTEXT.remove();
-    } else {
-      CONTEXT.set(ctx);
-    }
-  }
-
-  /*
-   * A data source CTAS writes its files before it creates its table. Its INSERT event waits
-   * here, keyed db.table, until the metastore listener has recorded the CREATE_TABLE, so that
-   * replication replays the creation first.
-   */
-  private static final ThreadLocal<Map<String, Map<String, Object>>> DEFERRED_INSERTS =
-      ThreadLocal.withInitial(LinkedHashMap::new);
+  // -- the daemon -------------------------------------------------------------------------
 
   static String tableKey(String db, String table) {
     return (db + "." + table).toLowerCase(Locale.ROOT);
   }
-
-  static void deferInsert(String db, String table, Map<String, Object> body) {
-    DEFERRED_INSERTS.get().put(tableKey(db, table), body);
-  }
-
-  static Map<String, Object> takeDeferredInsert(String db, String table) {
-    return DEFERRED_INSERTS.get().remove(tableKey(db, table));
-  }
-
-  public static Ctx context() {
-    return CONTEXT.get();
-  }
-
-  static Ctx contextFor(String path) {
-    Ctx c = CONTEXT.get();
-    return c == null ? null : c.appliesTo(path);
-  }
-
-  // -- the daemon -------------------------------------------------------------------------
 
   /** Thrown when cmroot refuses or cannot be reached: the deletion must not happen. */
   public static final class RecycleException extends IOException {
@@ -413,60 +495,18 @@ public final class Cmroot {
     return c;
   }
 
-  /**
-   * Ask the daemon to recycle (move into the cmroot) `paths`, all or nothing. Returns true when
-   * recycled, false when cmroot is disabled or failed open (the caller then deletes as usual).
-   * Throws RecycleException, naming cmroot, when the daemon refused or could not be reached:
-   * nothing was moved and the caller must not delete. `location` (the table's, or null) is
-   * recorded on the event for replication.
-   */
-  public static boolean recycle(List<String> paths, String op, String db, String table,
-      boolean purge, List<Map<String, String>> partitions, String location, Settings s,
-      String what) throws RecycleException {
-    if (paths.isEmpty()) {
-      return true;
+  /** `e` as an unchecked exception, for overrides of Scala methods that declare none. */
+  static RuntimeException unchecked(Throwable e) {
+    if (e instanceof Error) {
+      throw (Error) e;
     }
-    Map<String, Object> body = new LinkedHashMap<>();
-    body.put("paths", paths);
-    body.put("mode", "move");
-    body.put("purge", purge);
-    body.put("op", op == null ? "DELETE" : op);
-    if (db != null) {
-      body.put("db", db);
+    if (e instanceof RuntimeException) {
+      return (RuntimeException) e;
     }
-    if (table != null) {
-      body.put("table", table);
+    if (e instanceof IOException) {
+      return new java.io.UncheckedIOException((IOException) e);
     }
-    body.put("partitions", partitions == null ? List.of() : partitions);
-    if (location != null) {
-      body.put("location", location);
-    }
-    long t0 = System.nanoTime();
-    Answer a = post("/v1/recycle", body, s, Duration.ofMinutes(10));
-    if (a.ok) {
-      RECYCLE_REQUESTS.incrementAndGet();
-      if (s.debug) {
-        System.err.printf("cmroot debug: recycled %s (%d paths, op %s) in %d ms%n", what,
-            paths.size(), body.get("op"), (System.nanoTime() - t0) / 1_000_000);
-      }
-      if (LOG.isDebugEnabled()) {
-        LOG.debug("cmroot: recycled {} ({} paths, op {}, {}.{}) in {} ms: {}", what,
-            paths.size(), body.get("op"), db, table, (System.nanoTime() - t0) / 1_000_000,
-            abbreviate(a.body));
-      }
-      return true;
-    }
-    String msg = "cmroot could not recycle " + what + " (op " + body.get("op") + ", "
-        + paths.size() + " path(s), first " + paths.get(0) + "): " + a.problem;
-    if (s.failOpen) {
-      FAIL_OPEN_DELETES.incrementAndGet();
-      LOG.warn("{}; deleting WITHOUT a copy in cmroot because spark.cmroot.failOpen=true "
-          + "(fail-open deletions so far: {})", msg, FAIL_OPEN_DELETES.get());
-      return false;
-    }
-    LOG.error("{}; nothing deleted: the statement fails (spark.cmroot.failOpen=false)", msg);
-    throw new RecycleException(msg + ". Nothing was deleted (spark.cmroot.failOpen=false). "
-        + "Start the daemon or fix the request, then run the statement again.", a.cause);
+    return new RuntimeException(e.getMessage(), e);
   }
 
   /** Thrown when an event of a change already made could not be recorded. */
@@ -515,22 +555,28 @@ public final class Cmroot {
   }
 
   /** What the daemon answered to one POST, or why it could not. */
-  private static final class Answer {
+  static final class Answer {
     final boolean ok;
+    /** The HTTP status, 0 when the daemon could not be reached or did not answer. */
+    final int status;
     final String body;
     final String problem;
     final Throwable cause;
 
-    Answer(boolean ok, String body, String problem, Throwable cause) {
-      this.ok = ok;
+    Answer(int status, String body, String problem, Throwable cause) {
+      this.ok = status == 200;
+      this.status = status;
       this.body = body;
       this.problem = problem;
       this.cause = cause;
     }
+
+    JsonNode json() throws IOException {
+      return JSON.readTree(body);
+    }
   }
 
-  private static Answer post(String route, Map<String, Object> body, Settings s,
-      Duration timeout) {
+  static Answer post(String route, Map<String, Object> body, Settings s, Duration timeout) {
     try {
       HttpRequest.Builder rb = HttpRequest.newBuilder(URI.create(s.url + route))
           .timeout(timeout)
@@ -542,16 +588,16 @@ public final class Cmroot {
       }
       HttpResponse<String> resp = http().send(rb.build(), HttpResponse.BodyHandlers.ofString());
       if (resp.statusCode() == 200) {
-        return new Answer(true, resp.body(), null, null);
+        return new Answer(200, resp.body(), null, null);
       }
-      return new Answer(false, resp.body(), "the daemon at " + s.url + " answered HTTP "
-          + resp.statusCode() + ": " + errorText(resp.body()), null);
+      return new Answer(resp.statusCode(), resp.body(), "the daemon at " + s.url
+          + " answered HTTP " + resp.statusCode() + ": " + errorText(resp.body()), null);
     } catch (IOException e) {
-      return new Answer(false, null, "the daemon at " + s.url + " is unreachable (" + e
+      return new Answer(0, null, "the daemon at " + s.url + " is unreachable (" + e
           + "); is `cmroot serve` running?", e);
     } catch (InterruptedException e) {
       Thread.currentThread().interrupt();
-      return new Answer(false, null, "interrupted while waiting for the daemon at " + s.url, e);
+      return new Answer(0, null, "interrupted while waiting for the daemon at " + s.url, e);
     }
   }
 
@@ -566,7 +612,7 @@ public final class Cmroot {
     }
   }
 
-  private static String abbreviate(String s) {
+  static String abbreviate(String s) {
     return s == null ? "" : s.length() > 300 ? s.substring(0, 300) + "..." : s;
   }
 
@@ -586,7 +632,7 @@ public final class Cmroot {
 
   static void debugDelete(Settings s, String what, String path) {
     if (s.debug) {
-      LOG.warn("cmroot debug: " + what + " " + path + " ctx=" + CONTEXT.get(),
+      LOG.warn("cmroot debug: " + what + " " + path + " statement=" + CmrootStatement.current(),
           new Exception("stack of " + what));
     }
   }

@@ -3,12 +3,16 @@ package io.cmroot.spark;
 import java.io.File;
 import java.io.IOException;
 import java.io.UncheckedIOException;
+import java.nio.file.Files;
+import java.nio.file.LinkOption;
+import java.nio.file.Paths;
 import java.util.ArrayList;
 import java.util.LinkedHashMap;
 import java.util.LinkedHashSet;
 import java.util.List;
 import java.util.Map;
 import java.util.Set;
+import java.util.TreeSet;
 import org.apache.hadoop.fs.FileSystem;
 import org.apache.hadoop.fs.Path;
 import org.apache.hadoop.mapreduce.JobContext;
@@ -16,15 +20,18 @@ import org.apache.spark.internal.io.FileCommitProtocol;
 import org.apache.spark.sql.execution.datasources.SQLHadoopMapReduceCommitProtocol;
 
 /**
- * Spark's SQL commit protocol, with the deletions of an overwrite deferred to job commit.
+ * Spark's SQL commit protocol, with the deletions of an overwrite kept until the job commits.
  *
  * <p>For {@code INSERT OVERWRITE} (and {@code mode("overwrite")}) Spark deletes the old
- * partition directories before it writes the new data. Here that delete only records the
- * path; at job commit, after every task has written its files, the old files are recycled in
- * one all-or-nothing request and only then are the new files moved into place. A job that
- * fails never reaches commit: the old files stay where they were. If cmroot refuses, the
- * commit throws, Spark aborts the job and the table is unchanged. With dynamic partition
- * overwrite the partitions the job replaces are recycled the same way, in one request.
+ * partition directories before it writes the new data. Here that delete only takes a snapshot:
+ * the files under the path at that moment. At job commit exactly those files are prepared for
+ * recycling in one all-or-nothing request, then the job commits, then the recycle is
+ * committed; if the job commit fails the recycle is aborted and the old files are back. So an
+ * overwrite never recycles its own output (with FileOutputCommitter v2 the tasks commit
+ * straight into the table directory, long before the job commits) nor a file another writer
+ * added after the delete was asked. A job that fails before its commit never touched the old
+ * files. With dynamic partition overwrite the partitions the job replaces are recycled the
+ * same way, listed at job commit, while the new files still wait in Spark's staging directory.
  *
  * <p>After the job committed, the new data files of a table under the warehouse roots are
  * recorded as one INSERT event (after the overwrite's recycle, the order replication replays).
@@ -40,14 +47,17 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
   private final String outputPath;
   private final boolean dynamic;
   private final transient Cmroot.Ctx ctx; // the driver's statement; tasks never need it
-  private final transient List<String> deferred = new ArrayList<>();
+  // What the deletes Spark asked for would have removed, when it asked (sorted, no duplicates).
+  private final transient Set<String> snapshot = new TreeSet<>();
+  private final transient List<String> deletedDirs = new ArrayList<>();
 
   public CmrootCommitProtocol(String jobId, String path, boolean dynamicPartitionOverwrite) {
     super(jobId, path, dynamicPartitionOverwrite);
     this.jobId = jobId;
     this.outputPath = path;
     this.dynamic = dynamicPartitionOverwrite;
-    this.ctx = Cmroot.context();
+    CmrootStatement st = CmrootStatement.current();
+    this.ctx = st == null ? null : st.ctx;
   }
 
   @Override
@@ -55,19 +65,19 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     Cmroot.Settings s = Cmroot.settings(fs.getConf());
     String local = fs instanceof CmrootLocalFileSystem ? Cmroot.localPath(path.toUri().getPath())
         : null;
-    if (local == null || !recursive || !Cmroot.protectedPath(local, s)) {
-      return superDelete(fs, path, recursive);
-    }
-    deferred.add(local); // recycled at commit, once the new data is written
-    return true;
-  }
-
-  private boolean superDelete(FileSystem fs, Path path, boolean recursive) {
     try {
-      return fs.delete(path, recursive);
+      if (local != null) {
+        Cmroot.refuseRootRemoval(local, s, "the overwrite of");
+      }
+      if (local == null || !recursive || !Cmroot.protectedPath(local, s)) {
+        return fs.delete(path, recursive);
+      }
+      snapshot.addAll(Cmroot.filesUnder(local)); // recycled at commit, once the new data is in
     } catch (IOException e) {
       throw new UncheckedIOException(e);
     }
+    deletedDirs.add(local);
+    return true;
   }
 
   @Override
@@ -75,73 +85,79 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
       scala.collection.immutable.Seq<FileCommitProtocol.TaskCommitMessage> taskCommits) {
     Cmroot.Settings s = Cmroot.settings(jobContext.getConfiguration());
     String base = Cmroot.localPath(outputPath);
-    Set<String> paths = new LinkedHashSet<>();
-    for (String d : deferred) {
-      // Everything that was in the directory when Spark asked to delete it, except Spark's
-      // own staging (the new data waits there).
-      File dir = new File(d);
-      String[] names = dir.isDirectory() ? dir.list() : null;
-      if (names == null) {
-        if (dir.exists()) {
-          paths.add(d);
-        }
-        continue;
-      }
-      for (String n : names) {
-        if (!Cmroot.isTemporaryName(n)) {
-          paths.add(new File(dir, n).getPath());
-        }
-      }
-    }
-    if (dynamic && base != null && Cmroot.protectedPath(base, s)) {
-      for (String part : partitionPaths(taskCommits)) {
-        File p = new File(base, part);
-        if (p.exists()) {
-          paths.add(Cmroot.localPath(p.getPath()));
-        }
-      }
-    }
     List<String> list = new ArrayList<>();
-    for (String p : paths) {
-      try {
-        if (Cmroot.holdsFiles(new File(p).toPath())) {
-          list.add(p);
+    try {
+      for (String p : snapshot) {
+        if (Files.exists(Paths.get(p), LinkOption.NOFOLLOW_LINKS)) {
+          list.add(p); // one another writer removed meanwhile is not ours to keep
         }
-      } catch (IOException e) {
+      }
+      if (dynamic && base != null && Cmroot.protectedPath(base, s)) {
+        for (String part : partitionPaths(taskCommits)) {
+          list.addAll(Cmroot.filesUnder(Cmroot.localPath(new File(base, part).getPath())));
+        }
+      }
+    } catch (IOException e) {
+      throw new UncheckedIOException(e);
+    }
+    CmrootTransaction tx = list.isEmpty() || !s.enabled ? null : transaction(s, base);
+    try {
+      if (tx != null && !tx.prepare(list, partitions(list, base), "the overwrite of "
+          + outputPath)) {
+        deleteFailedOpen(jobContext, list);
+        tx = null;
+      }
+      if (tx != null) {
+        CmrootFaults.afterPrepare("the job commit of " + outputPath);
+      }
+      super.commitJob(jobContext, taskCommits);
+    } catch (Throwable e) {
+      if (tx != null) {
+        tx.abort("the job commit of " + outputPath + " failed: " + e);
+      }
+      throw Cmroot.unchecked(e);
+    }
+    if (tx != null) {
+      try {
+        tx.commit();
+      } catch (Cmroot.RecycleException e) {
         throw new UncheckedIOException(e);
       }
     }
-    if (!list.isEmpty() && s.enabled) {
-      Cmroot.Ctx c = ctx != null ? ctx.appliesTo(base == null ? list.get(0) : base) : null;
-      List<Map<String, String>> parts = new ArrayList<>();
-      for (String p : list) {
-        Map<String, String> kv = Cmroot.partitionOf(p, base, new File(p).isDirectory());
-        if (!kv.isEmpty() && !parts.contains(kv)) {
-          parts.add(kv);
-        }
-      }
-      boolean recycled;
-      try {
-        recycled = Cmroot.recycle(list, "INSERT_OVERWRITE", c == null ? null : c.db,
-            c == null ? null : c.table, false, parts, c == null ? null : c.location, s,
-            "the overwrite of " + outputPath);
-      } catch (Cmroot.RecycleException e) {
-        throw new UncheckedIOException(e); // Spark aborts the job: the old data stays
-      }
-      if (!recycled) {
-        for (String p : list) { // failed open: delete as Spark would have
-          Path hp = new Path(new File(p).toURI());
-          try {
-            FileSystem.getLocal(jobContext.getConfiguration()).getRaw().delete(hp, true);
-          } catch (IOException e) {
-            throw new UncheckedIOException(e);
-          }
-        }
+    for (String d : deletedDirs) {
+      Cmroot.removeEmptyDirectories(new File(d)); // what Spark's delete would not have left
+    }
+    deletedDirs.clear();
+    snapshot.clear();
+    recordInsert(s, base);
+  }
+
+  private CmrootTransaction transaction(Cmroot.Settings s, String base) {
+    Cmroot.Ctx c = ctx == null || base == null ? null : ctx.appliesTo(base);
+    return new CmrootTransaction(s, "INSERT_OVERWRITE", c == null ? null : c.db,
+        c == null ? null : c.table, false, c == null ? null : c.location,
+        "the overwrite of " + outputPath);
+  }
+
+  /** The partitions ({k: v}) the files belong to, below the output path. */
+  private static List<Map<String, String>> partitions(List<String> files, String base) {
+    List<Map<String, String>> parts = new ArrayList<>();
+    for (String p : files) {
+      Map<String, String> kv = Cmroot.partitionOf(p, base, false);
+      if (!kv.isEmpty() && !parts.contains(kv)) {
+        parts.add(kv);
       }
     }
-    deferred.clear();
-    super.commitJob(jobContext, taskCommits);
-    recordInsert(s, base);
+    return parts;
+  }
+
+  /** Failed open (logged and counted): delete as Spark would have. */
+  private static void deleteFailedOpen(JobContext jobContext, List<String> files)
+      throws IOException {
+    FileSystem raw = FileSystem.getLocal(jobContext.getConfiguration()).getRaw();
+    for (String p : files) {
+      raw.delete(new Path(new File(p).toURI()), false);
+    }
   }
 
   /**
@@ -173,8 +189,9 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     body.put("partitions", parts);
     body.put("location", c.location);
     body.put("files", Cmroot.fileRefs(files));
-    if (c.creating) {
-      Cmroot.deferInsert(c.db, c.table, body);
+    CmrootStatement st = CmrootStatement.current();
+    if (c.creating && st != null) {
+      st.deferInsert(c.db, c.table, body);
       return;
     }
     try {
@@ -186,7 +203,8 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
 
   @Override
   public void abortJob(JobContext jobContext) {
-    deferred.clear(); // the old data was never touched
+    snapshot.clear(); // the old data was never touched
+    deletedDirs.clear();
     super.abortJob(jobContext);
   }
 

@@ -1,155 +1,156 @@
 package io.cmroot.spark;
 
-import java.lang.reflect.Method;
-import org.apache.spark.sql.SaveMode;
+import java.io.UncheckedIOException;
 import org.apache.spark.sql.SparkSession;
 import org.apache.spark.sql.SparkSessionExtensions;
-import org.apache.spark.sql.catalyst.TableIdentifier;
-import org.apache.spark.sql.catalyst.plans.logical.Command;
+import org.apache.spark.sql.catalyst.analysis.ResolvedNamespace;
+import org.apache.spark.sql.catalyst.plans.logical.DropNamespace;
 import org.apache.spark.sql.catalyst.plans.logical.LogicalPlan;
-import org.apache.spark.sql.connector.catalog.Identifier;
+import org.apache.spark.sql.catalyst.rules.Rule;
+import org.apache.spark.sql.connector.catalog.CatalogManager;
+import org.apache.spark.sql.execution.command.DropDatabaseCommand;
+import org.apache.spark.sql.execution.command.SetCommand;
+import org.apache.spark.sql.internal.SQLConf$;
 import scala.Function1;
 import scala.Option;
+import scala.Tuple2;
 import scala.runtime.AbstractFunction1;
 import scala.runtime.BoxedUnit;
 
 /**
- * {@code spark.sql.extensions=io.cmroot.spark.CmrootExtensions}: a check rule that looks at
- * every analyzed statement and, for a destructive one or a write, tells the hooks what is
- * running on this thread (op, db, table, purge flag, table location), so the files it deletes
- * are recycled, and the files it writes recorded, with that context. Any other command
- * clears the context. Plans are matched by class name and read through their accessors, so
- * the shim does not depend on the exact constructor shapes of one Spark release.
+ * {@code spark.sql.extensions=io.cmroot.spark.CmrootExtensions}:
+ *
+ * <ul>
+ *   <li>a post-hoc resolution rule that wraps each destructive command or write
+ *       ({@link CmrootCommands}) in a {@link CmrootStatementCommand}, so the command runs as
+ *       one statement: its context set around it, its recycles committed together after it
+ *       succeeded, aborted when it failed. A command run inside a statement (the write of a
+ *       CTAS) is part of that statement and is not wrapped again.
+ *   <li>a check rule refusing DROP DATABASE of a database located at a warehouse root or at
+ *       a directory containing one, before anything is dropped.
+ *   <li>the cmroot settings that decide whether and where files are kept
+ *       ({@link Cmroot#FIXED_KEYS}) are the application's: registered as static SQL configs,
+ *       so {@code spark.conf.set} refuses them, and a check rule refuses {@code SET} of any
+ *       spark.cmroot.* key with an error saying where to set it.
+ * </ul>
  */
 public class CmrootExtensions extends AbstractFunction1<SparkSessionExtensions, BoxedUnit> {
 
   @Override
   public BoxedUnit apply(SparkSessionExtensions ext) {
+    for (String key : Cmroot.FIXED_KEYS) {
+      SQLConf$.MODULE$.registerStaticConfigKey("spark.cmroot." + key);
+    }
+    ext.injectPostHocResolutionRule(
+        new AbstractFunction1<SparkSession, Rule<LogicalPlan>>() {
+          @Override
+          public Rule<LogicalPlan> apply(SparkSession session) {
+            return new WrapStatements(session);
+          }
+        });
     ext.injectCheckRule(
         new AbstractFunction1<SparkSession, Function1<LogicalPlan, BoxedUnit>>() {
           @Override
           public Function1<LogicalPlan, BoxedUnit> apply(SparkSession session) {
-            return new Inspector(session);
+            return new RefuseSettingChanges();
+          }
+        });
+    ext.injectCheckRule(
+        new AbstractFunction1<SparkSession, Function1<LogicalPlan, BoxedUnit>>() {
+          @Override
+          public Function1<LogicalPlan, BoxedUnit> apply(SparkSession session) {
+            return new RefuseRootDatabaseDrops(session);
           }
         });
     return BoxedUnit.UNIT;
   }
 
-  static final class Inspector extends AbstractFunction1<LogicalPlan, BoxedUnit> {
+  /** Wraps a destructive command in the statement that commits or aborts its recycles. */
+  static final class WrapStatements extends Rule<LogicalPlan> {
     private final SparkSession session;
 
-    Inspector(SparkSession session) {
+    WrapStatements(SparkSession session) {
+      this.session = session;
+    }
+
+    @Override
+    public LogicalPlan apply(LogicalPlan plan) {
+      if (plan instanceof CmrootStatementCommand || CmrootStatement.current() != null) {
+        return plan;
+      }
+      Cmroot.Settings s = Cmroot.settings(null);
+      if (!s.enabled) {
+        return plan;
+      }
+      Cmroot.Ctx ctx = CmrootCommands.contextOf(plan, session);
+      if (s.debug) {
+        Cmroot.LOG.warn("cmroot debug: statement {} -> {}", plan.getClass().getName(), ctx);
+      }
+      return ctx == null ? plan : new CmrootStatementCommand(plan, ctx);
+    }
+  }
+
+  /**
+   * DROP DATABASE of a database located at a warehouse root or at a directory containing
+   * one: refused before anything runs. (The metastore client drops a CASCADE's tables before
+   * the database's own pre-event fires, and deletes the database directory recursively.)
+   */
+  static final class RefuseRootDatabaseDrops extends AbstractFunction1<LogicalPlan, BoxedUnit> {
+    private final SparkSession session;
+
+    RefuseRootDatabaseDrops(SparkSession session) {
       this.session = session;
     }
 
     @Override
     public BoxedUnit apply(LogicalPlan plan) {
+      String db = null;
+      if (plan instanceof DropDatabaseCommand) {
+        db = ((DropDatabaseCommand) plan).databaseName();
+      } else if (plan instanceof DropNamespace
+          && ((DropNamespace) plan).namespace() instanceof ResolvedNamespace) {
+        ResolvedNamespace ns = (ResolvedNamespace) ((DropNamespace) plan).namespace();
+        if (CatalogManager.SESSION_CATALOG_NAME().equals(ns.catalog().name())
+            && ns.namespace().size() == 1) {
+          db = ns.namespace().head();
+        }
+      }
+      Cmroot.Settings s = db == null ? null : Cmroot.settings(null);
+      if (s == null || !s.enabled) {
+        return BoxedUnit.UNIT;
+      }
+      String location;
       try {
-        Cmroot.Ctx ctx = contextOf(plan);
-        if (plan instanceof Command && Cmroot.settings(null).debug) {
-          Cmroot.LOG.warn("cmroot debug: statement {} -> {}", plan.getClass().getName(), ctx);
-        }
-        if (ctx != null) {
-          Cmroot.setContext(ctx);
-        } else if (plan instanceof Command) {
-          Cmroot.setContext(null);
-        }
-      } catch (Throwable e) {
-        Cmroot.LOG.warn("cmroot: could not read the statement context of {}",
-            plan.getClass().getName(), e);
+        location = Cmroot.localPath(String.valueOf(
+            session.sessionState().catalog().getDatabaseMetadata(db).locationUri()));
+      } catch (Exception e) {
+        return BoxedUnit.UNIT; // no such database: the command says so
+      }
+      try {
+        Cmroot.refuseRootRemoval(location, s, "DROP DATABASE " + db + " located at");
+      } catch (Cmroot.RecycleException e) {
+        throw new UncheckedIOException(e);
       }
       return BoxedUnit.UNIT;
     }
-
-    private Cmroot.Ctx contextOf(LogicalPlan plan) throws Exception {
-      switch (plan.getClass().getSimpleName()) {
-        case "DropTableCommand":
-          if ((Boolean) call(plan, "isView")) {
-            return null;
-          }
-          return forTable("DROP_TABLE", (TableIdentifier) call(plan, "tableName"),
-              (Boolean) call(plan, "purge"));
-        case "DropTable": { // the v2 plan Spark 4 keeps for DROP TABLE (no useV1Command)
-          Object child = call(plan, "child");
-          if (!child.getClass().getSimpleName().equals("ResolvedIdentifier")) {
-            return null;
-          }
-          Identifier ident = (Identifier) call(child, "identifier");
-          String[] ns = ident.namespace();
-          String name = ident.name();
-          Option<String> db = ns.length > 0 ? Option.apply(ns[ns.length - 1]) : Option.empty();
-          return forTable("DROP_TABLE", new TableIdentifier(name, db),
-              (Boolean) call(plan, "purge"));
-        }
-        case "AlterTableDropPartitionCommand":
-          if ((Boolean) call(plan, "retainData")) {
-            return null;
-          }
-          return forTable("DROP_PARTITION", (TableIdentifier) call(plan, "tableName"),
-              (Boolean) call(plan, "purge"));
-        case "TruncateTableCommand":
-          return forTable("TRUNCATE", (TableIdentifier) call(plan, "tableName"), false);
-        case "InsertIntoHadoopFsRelationCommand": {
-          String op = call(plan, "mode") == SaveMode.Overwrite ? "INSERT_OVERWRITE" : "INSERT";
-          Option<?> table = (Option<?>) call(plan, "catalogTable");
-          String location = Cmroot.localPath(String.valueOf(call(plan, "outputPath")));
-          if (table.isDefined()) {
-            TableIdentifier id = (TableIdentifier) call(table.get(), "identifier");
-            return new Cmroot.Ctx(op, db(id), id.table(), false, location);
-          }
-          // The inner write of a CTAS names no table: it writes the outer statement's.
-          Cmroot.Ctx outer = Cmroot.context();
-          if (outer != null && outer.table != null && location != null
-              && outer.appliesTo(location) != null) {
-            return new Cmroot.Ctx(op, outer.db, outer.table, false, outer.location,
-                outer.creating);
-          }
-          return new Cmroot.Ctx(op, null, null, false, location);
-        }
-        case "InsertIntoHiveTable": {
-          String op = (Boolean) call(plan, "overwrite") ? "INSERT_OVERWRITE" : "INSERT";
-          Object table = call(plan, "table");
-          TableIdentifier id = (TableIdentifier) call(table, "identifier");
-          return new Cmroot.Ctx(op, db(id), id.table(), false,
-              Cmroot.localPath(String.valueOf(call(table, "location"))));
-        }
-        case "CreateDataSourceTableAsSelectCommand": {
-          Object table = call(plan, "table");
-          TableIdentifier id = (TableIdentifier) call(table, "identifier");
-          TableIdentifier qualified = new TableIdentifier(id.table(), Option.apply(db(id)));
-          Option<?> uri = (Option<?>) call(call(table, "storage"), "locationUri");
-          Object location = uri.isDefined() ? uri.get()
-              : session.sessionState().catalog().defaultTablePath(qualified);
-          return new Cmroot.Ctx("INSERT", db(id), id.table(), false,
-              Cmroot.localPath(String.valueOf(location)), true);
-        }
-        default:
-          return null;
-      }
-    }
-
-    private Cmroot.Ctx forTable(String op, TableIdentifier id, boolean purge) {
-      String db = db(id);
-      String location = null;
-      try {
-        location = Cmroot.localPath(String.valueOf(session.sessionState().catalog()
-            .getTableMetadata(new TableIdentifier(id.table(), Option.apply(db))).location()));
-      } catch (Throwable e) {
-        // no such table (IF EXISTS) or a temporary view: no location to match
-      }
-      return new Cmroot.Ctx(op, db, id.table(), purge, location);
-    }
-
-    private String db(TableIdentifier id) {
-      if (id.database().isDefined()) {
-        return id.database().get();
-      }
-      return session.sessionState().catalog().getCurrentDatabase();
-    }
   }
 
-  static Object call(Object target, String accessor) throws Exception {
-    Method m = target.getClass().getMethod(accessor);
-    return m.invoke(target);
+  /** SET spark.cmroot.KEY=... from SQL: refused, saying where the setting belongs. */
+  static final class RefuseSettingChanges extends AbstractFunction1<LogicalPlan, BoxedUnit> {
+    @Override
+    public BoxedUnit apply(LogicalPlan plan) {
+      if (plan instanceof SetCommand) {
+        Option<Tuple2<String, Option<String>>> kv = ((SetCommand) plan).kv();
+        if (kv.isDefined() && kv.get()._2().isDefined()
+            && kv.get()._1().trim().startsWith("spark.cmroot.")) {
+          String key = kv.get()._1().trim();
+          throw new IllegalArgumentException("cmroot: " + key + " is a setting of the Spark "
+              + "application and cannot be changed by SET: it protects every session's "
+              + "deletes. Set it when the application starts (spark-submit --conf " + key
+              + "=..., spark-defaults.conf, or cmroot.spark.configure()).");
+        }
+      }
+      return BoxedUnit.UNIT;
+    }
   }
 }

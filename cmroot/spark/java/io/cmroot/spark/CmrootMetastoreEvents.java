@@ -26,8 +26,11 @@ import org.apache.hadoop.hive.metastore.events.DropTableEvent;
  * ({@code spark.hadoop.hive.metastore.event.listeners=io.cmroot.spark.CmrootMetastoreEvents})
  * that records the non-destructive metadata changes replication replays: databases and tables
  * created, altered and dropped, partitions added, and drops that held no data (drops with
- * data are recorded by the pre-event listener's recycle). Only successful changes of tables
- * under the warehouse roots are recorded; data files are sent as paths, the daemon hashes them.
+ * data are recorded by their recycle, which the pre-event listener prepared). Only successful
+ * changes of tables under the warehouse roots are recorded; data files are sent as paths, the
+ * daemon hashes them. For a drop made outside a statement it also settles the recycle the
+ * pre-event prepared: committed when the metastore reports success, aborted when it reports
+ * a failure (the files are back).
  *
  * <p>These events fire after the metastore committed the change: a failure to record one
  * cannot undo it. With spark.cmroot.failOpen=false the statement then fails with an error
@@ -83,7 +86,9 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     body.put("location", loc);
     body.put("tableObj", Cmroot.tableMap(t));
     record(body, s, "table " + name(t));
-    Map<String, Object> insert = Cmroot.takeDeferredInsert(t.getDbName(), t.getTableName());
+    CmrootStatement st = CmrootStatement.current();
+    Map<String, Object> insert = st == null ? null
+        : st.takeDeferredInsert(t.getDbName(), t.getTableName());
     if (insert != null) {
       record(insert, s, "the data written by CREATE TABLE " + name(t) + " AS SELECT");
     }
@@ -138,8 +143,8 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
   @Override
   public void onDropTable(DropTableEvent e) throws MetaException {
     Table t = e.getTable();
-    boolean recycled = CmrootMetastoreListener.takeRecycled(
-        CmrootMetastoreListener.dropKey(t, null));
+    boolean recycled = settle(CmrootMetastoreListener.dropKey(t, null), e.getStatus(),
+        "the drop of table " + name(t));
     Cmroot.Settings s = Cmroot.settings(getConf());
     String loc = location(t);
     if (!e.getStatus() || recycled || !Cmroot.protectedPath(loc, s)) {
@@ -157,8 +162,8 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     Iterator<Partition> it = e.getPartitionIterator();
     while (it.hasNext()) {
       Partition p = it.next();
-      if (!CmrootMetastoreListener.takeRecycled(
-          CmrootMetastoreListener.dropKey(t, p.getValues()))) {
+      if (!settle(CmrootMetastoreListener.dropKey(t, p.getValues()), e.getStatus(),
+          "the drop of partition " + p.getValues() + " of " + name(t))) {
         parts.add(CmrootMetastoreListener.spec(t, p));
       }
     }
@@ -171,6 +176,39 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     body.put("location", loc);
     body.put("partitions", parts);
     record(body, s, "the drop of partitions " + parts + " of " + name(t));
+  }
+
+  /**
+   * Settle the recycle of a drop's data: the one the pre-event prepared outside a statement
+   * is committed when the drop succeeded, aborted when it failed; one staged by the running
+   * statement is the statement's to commit, unless the drop failed. Returns whether the drop's
+   * data was staged (its event is then the recycle's, not a metadata-only one).
+   */
+  private static boolean settle(String key, boolean success, String what) throws MetaException {
+    CmrootTransaction tx = CmrootMetastoreListener.takePending(key);
+    if (tx != null) {
+      if (!success) {
+        tx.abort("the metastore could not complete " + what);
+        return true;
+      }
+      try {
+        tx.commit();
+      } catch (Cmroot.RecycleException ex) {
+        MetaException me = new MetaException(ex.getMessage() + " The metastore DID complete "
+            + what + ": the files are back in its directory, outside the catalog.");
+        me.initCause(ex);
+        throw me;
+      }
+      return true;
+    }
+    CmrootStatement st = CmrootStatement.current();
+    if (st != null && st.staged(key)) {
+      if (!success) {
+        st.fail("the metastore could not complete " + what);
+      }
+      return true;
+    }
+    return false;
   }
 
   private static Map<String, Object> event(String type, String db, String table) {

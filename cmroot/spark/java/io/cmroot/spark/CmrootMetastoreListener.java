@@ -2,19 +2,19 @@ package io.cmroot.spark;
 
 import java.io.File;
 import java.io.IOException;
-import java.util.ArrayList;
-import java.util.HashSet;
+import java.util.HashMap;
 import java.util.Iterator;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
-import java.util.Set;
 import org.apache.hadoop.conf.Configuration;
 import org.apache.hadoop.hive.metastore.MetaStorePreEventListener;
+import org.apache.hadoop.hive.metastore.api.Database;
 import org.apache.hadoop.hive.metastore.api.FieldSchema;
 import org.apache.hadoop.hive.metastore.api.MetaException;
 import org.apache.hadoop.hive.metastore.api.Partition;
 import org.apache.hadoop.hive.metastore.api.Table;
+import org.apache.hadoop.hive.metastore.events.PreDropDatabaseEvent;
 import org.apache.hadoop.hive.metastore.events.PreDropPartitionEvent;
 import org.apache.hadoop.hive.metastore.events.PreDropTableEvent;
 import org.apache.hadoop.hive.metastore.events.PreEventContext;
@@ -24,28 +24,34 @@ import org.apache.hadoop.hive.metastore.events.PreEventContext;
  * ({@code spark.hadoop.hive.metastore.pre.event.listeners=io.cmroot.spark.CmrootMetastoreListener}).
  *
  * <p>The metastore deletes a dropped table's (or partition's) directory only after it has
- * committed the metadata change, and it ignores a failed delete. So the data is recycled here,
- * before the metastore changes anything: if cmroot refuses, the listener throws, the drop
- * fails and both the metadata and the files stay as they were. The later delete by the
- * metastore finds nothing left to delete.
+ * committed the metadata change, and it ignores a failed delete. So the data is staged here
+ * (a prepared recycle), before the metastore changes anything: if cmroot refuses, the
+ * listener throws, the drop fails and both the metadata and the files stay as they were. The
+ * recycle is committed only once the drop succeeded: by the statement that runs it
+ * ({@link CmrootStatement}), or, for a drop outside one, by the post-event listener
+ * ({@link CmrootMetastoreEvents}) when the metastore reports success; a failed drop aborts it
+ * and the files are back. The later delete by the metastore finds nothing left to delete.
  *
- * <p>It also notes, per thread, which drops it recycled data for: the post-event listener
- * ({@link CmrootMetastoreEvents}) records a metadata-only drop for the others.
+ * <p>A drop of a database located at a warehouse root or at a directory containing one is
+ * refused before the metastore drops anything: its recursive delete would take the warehouse.
  */
 public class CmrootMetastoreListener extends MetaStorePreEventListener {
 
-  // Keys of the tables / partitions whose drop recycled data on this thread (the embedded
-  // metastore runs pre and post events on the statement's thread).
-  private static final ThreadLocal<Set<String>> RECYCLED =
-      ThreadLocal.withInitial(HashSet::new);
+  // The recycle a pre-event prepared for a drop outside any statement, until the post-event
+  // of the same drop settles it (the embedded metastore runs both on the caller's thread).
+  private static final ThreadLocal<Map<String, CmrootTransaction>> PENDING =
+      ThreadLocal.withInitial(HashMap::new);
 
   public CmrootMetastoreListener(Configuration conf) {
     super(conf);
   }
 
   static String dropKey(Table t, List<String> values) {
-    return Cmroot.tableKey(t.getDbName(), t.getTableName())
-        + (values == null ? "" : "/" + String.join("/", values));
+    return dropKey(t.getDbName(), t.getTableName(), values);
+  }
+
+  static String dropKey(String db, String table, List<String> values) {
+    return Cmroot.tableKey(db, table) + (values == null ? "" : "/" + String.join("/", values));
   }
 
   /** The partition's {key: value}. */
@@ -59,15 +65,19 @@ public class CmrootMetastoreListener extends MetaStorePreEventListener {
     return kv;
   }
 
-  /** Whether this thread's pre-event recycled the data of that drop; forgets it. */
-  static boolean takeRecycled(String key) {
-    return RECYCLED.get().remove(key);
+  /** The recycle this thread's pre-event prepared for that drop outside a statement. */
+  static CmrootTransaction takePending(String key) {
+    return PENDING.get().remove(key);
   }
 
   @Override
   public void onEvent(PreEventContext event) throws MetaException {
     try {
-      if (event instanceof PreDropTableEvent) {
+      if (event instanceof PreDropDatabaseEvent) {
+        Database d = ((PreDropDatabaseEvent) event).getDatabase();
+        Cmroot.refuseRootRemoval(Cmroot.localPath(d.getLocationUri()),
+            Cmroot.settings(getConf()), "DROP DATABASE " + d.getName() + " located at");
+      } else if (event instanceof PreDropTableEvent) {
         PreDropTableEvent e = (PreDropTableEvent) event;
         if (e.getDeleteData()) {
           dropTable(e.getTable());
@@ -98,7 +108,7 @@ public class CmrootMetastoreListener extends MetaStorePreEventListener {
   }
 
   private boolean purge(Table t) {
-    Cmroot.Ctx ctx = Cmroot.context();
+    Cmroot.Ctx ctx = CmrootStatement.current() == null ? null : CmrootStatement.current().ctx;
     if (ctx != null && t.getTableName().equalsIgnoreCase(ctx.table)
         && t.getDbName().equalsIgnoreCase(ctx.db)) {
       return ctx.purge;
@@ -113,37 +123,16 @@ public class CmrootMetastoreListener extends MetaStorePreEventListener {
     }
     Cmroot.Settings s = Cmroot.settings(getConf());
     String loc = Cmroot.localPath(t.getSd().getLocation());
+    Cmroot.refuseRootRemoval(loc, s, "DROP TABLE " + t.getDbName() + "." + t.getTableName()
+        + " located at");
     if (!Cmroot.protectedPath(loc, s) || !Cmroot.holdsFiles(new File(loc).toPath())) {
       return;
     }
     if (s.debug) {
       Cmroot.debugDelete(s, "metastore drop table", loc);
     }
-    if (Cmroot.recycle(children(loc), "DROP_TABLE", t.getDbName(), t.getTableName(), purge(t),
-        List.of(), loc, s, "table " + t.getDbName() + "." + t.getTableName())) {
-      RECYCLED.get().add(dropKey(t, null));
-    }
-  }
-
-  /**
-   * What a directory holds, so that the directory itself stays for the metastore to delete
-   * (it logs an error when the directory it drops is already gone).
-   */
-  private static List<String> children(String dir) throws IOException {
-    String[] names = new File(dir).list();
-    List<String> out = new ArrayList<>();
-    if (names == null) {
-      out.add(dir);
-      return out;
-    }
-    java.util.Arrays.sort(names);
-    for (String n : names) {
-      File f = new File(dir, n);
-      if (Cmroot.holdsFiles(f.toPath())) {
-        out.add(f.getPath());
-      }
-    }
-    return out;
+    stage(s, t, null, List.of(), loc, "table " + t.getDbName() + "." + t.getTableName(),
+        "DROP_TABLE");
   }
 
   private void dropPartition(Table t, Partition p) throws IOException {
@@ -152,17 +141,36 @@ public class CmrootMetastoreListener extends MetaStorePreEventListener {
     }
     Cmroot.Settings s = Cmroot.settings(getConf());
     String loc = Cmroot.localPath(p.getSd().getLocation());
+    Cmroot.refuseRootRemoval(loc, s, "the drop of partition");
     if (!Cmroot.protectedPath(loc, s) || !Cmroot.holdsFiles(new File(loc).toPath())) {
-      return;
+      return; // nothing to keep, or already staged by the statement (CmrootDropPartitions)
     }
     Map<String, String> kv = spec(t, p);
-    List<Map<String, String>> parts = new ArrayList<>();
-    parts.add(kv);
+    stage(s, t, p.getValues(), List.of(kv), loc,
+        "partition " + kv + " of " + t.getDbName() + "." + t.getTableName(), "DROP_PARTITION");
+  }
+
+  /** Prepare the recycle of what `dir` holds, in the statement or for the post-event. */
+  private void stage(Cmroot.Settings s, Table t, List<String> values,
+      List<Map<String, String>> parts, String dir, String what, String op) throws IOException {
     String tableLoc = t.getSd() == null ? null : Cmroot.localPath(t.getSd().getLocation());
-    if (Cmroot.recycle(children(loc), "DROP_PARTITION", t.getDbName(), t.getTableName(),
-        purge(t), parts, Cmroot.protectedPath(tableLoc, s) ? tableLoc : null, s,
-        "partition " + kv + " of " + t.getDbName() + "." + t.getTableName())) {
-      RECYCLED.get().add(dropKey(t, p.getValues()));
+    String location = Cmroot.protectedPath(tableLoc, s) ? tableLoc : null;
+    String key = dropKey(t, values);
+    CmrootStatement st = CmrootStatement.current();
+    if (st != null) {
+      if (!st.prepare(Cmroot.contents(dir), op, t.getDbName(), t.getTableName(), purge(t),
+          parts, location, what)) {
+        return; // failed open: the metastore deletes as usual
+      }
+      st.markStaged(key);
+    } else {
+      CmrootTransaction tx = new CmrootTransaction(s, op, t.getDbName(), t.getTableName(),
+          purge(t), location, "the drop of " + what);
+      if (!tx.prepare(Cmroot.contents(dir), parts, what)) {
+        return;
+      }
+      PENDING.get().put(key, tx);
     }
+    CmrootFaults.afterPrepare("the drop of " + what);
   }
 }

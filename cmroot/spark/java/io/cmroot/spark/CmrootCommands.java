@@ -1,0 +1,103 @@
+package io.cmroot.spark;
+
+import org.apache.spark.sql.SaveMode;
+import org.apache.spark.sql.SparkSession;
+import org.apache.spark.sql.catalyst.TableIdentifier;
+import org.apache.spark.sql.catalyst.analysis.ResolvedIdentifier;
+import org.apache.spark.sql.catalyst.catalog.CatalogTable;
+import org.apache.spark.sql.catalyst.plans.logical.DropTable;
+import org.apache.spark.sql.catalyst.plans.logical.LogicalPlan;
+import org.apache.spark.sql.connector.catalog.Identifier;
+import org.apache.spark.sql.execution.command.AlterTableDropPartitionCommand;
+import org.apache.spark.sql.execution.command.CreateDataSourceTableAsSelectCommand;
+import org.apache.spark.sql.execution.command.DropTableCommand;
+import org.apache.spark.sql.execution.command.LoadDataCommand;
+import org.apache.spark.sql.execution.command.TruncateTableCommand;
+import org.apache.spark.sql.execution.datasources.InsertIntoHadoopFsRelationCommand;
+import org.apache.spark.sql.hive.execution.InsertIntoHiveTable;
+import scala.Option;
+
+/**
+ * Which analyzed commands are destructive statements or writes, and what they do (op, db,
+ * table, purge, location). Matched by type and read through typed accessors, so a Spark
+ * release that changes them fails this shim's compilation instead of silently leaving a
+ * statement unprotected.
+ */
+final class CmrootCommands {
+  private CmrootCommands() {}
+
+  /** The context of `plan` when it is one of the statements cmroot wraps; else null. */
+  static Cmroot.Ctx contextOf(LogicalPlan plan, SparkSession session) {
+    if (plan instanceof DropTableCommand) {
+      DropTableCommand c = (DropTableCommand) plan;
+      return c.isView() ? null : forTable(session, "DROP_TABLE", c.tableName(), c.purge());
+    }
+    if (plan instanceof DropTable) { // the v2 plan Spark keeps for DROP TABLE (no useV1Command)
+      DropTable c = (DropTable) plan;
+      if (!(c.child() instanceof ResolvedIdentifier)) {
+        return null;
+      }
+      Identifier ident = ((ResolvedIdentifier) c.child()).identifier();
+      String[] ns = ident.namespace();
+      Option<String> db = ns.length > 0 ? Option.apply(ns[ns.length - 1]) : Option.empty();
+      return forTable(session, "DROP_TABLE", new TableIdentifier(ident.name(), db), c.purge());
+    }
+    if (plan instanceof AlterTableDropPartitionCommand) {
+      AlterTableDropPartitionCommand c = (AlterTableDropPartitionCommand) plan;
+      return c.retainData() ? null
+          : forTable(session, "DROP_PARTITION", c.tableName(), c.purge());
+    }
+    if (plan instanceof TruncateTableCommand) {
+      return forTable(session, "TRUNCATE", ((TruncateTableCommand) plan).tableName(), false);
+    }
+    if (plan instanceof LoadDataCommand) {
+      LoadDataCommand c = (LoadDataCommand) plan;
+      return forTable(session, c.isOverwrite() ? "INSERT_OVERWRITE" : "INSERT", c.table(), false);
+    }
+    if (plan instanceof InsertIntoHadoopFsRelationCommand) {
+      InsertIntoHadoopFsRelationCommand c = (InsertIntoHadoopFsRelationCommand) plan;
+      String op = c.mode() == SaveMode.Overwrite ? "INSERT_OVERWRITE" : "INSERT";
+      String location = Cmroot.localPath(String.valueOf(c.outputPath()));
+      if (c.catalogTable().isDefined()) {
+        TableIdentifier id = c.catalogTable().get().identifier();
+        return new Cmroot.Ctx(op, db(session, id), id.table(), false, location);
+      }
+      return new Cmroot.Ctx(op, null, null, false, location);
+    }
+    if (plan instanceof InsertIntoHiveTable) {
+      InsertIntoHiveTable c = (InsertIntoHiveTable) plan;
+      TableIdentifier id = c.table().identifier();
+      return new Cmroot.Ctx(c.overwrite() ? "INSERT_OVERWRITE" : "INSERT", db(session, id),
+          id.table(), false, Cmroot.localPath(String.valueOf(c.table().location())));
+    }
+    if (plan instanceof CreateDataSourceTableAsSelectCommand) {
+      CatalogTable table = ((CreateDataSourceTableAsSelectCommand) plan).table();
+      TableIdentifier id = table.identifier();
+      TableIdentifier qualified = new TableIdentifier(id.table(), Option.apply(db(session, id)));
+      Option<java.net.URI> uri = table.storage().locationUri();
+      Object location = uri.isDefined() ? uri.get()
+          : session.sessionState().catalog().defaultTablePath(qualified);
+      return new Cmroot.Ctx("INSERT", db(session, id), id.table(), false,
+          Cmroot.localPath(String.valueOf(location)), true);
+    }
+    return null;
+  }
+
+  private static Cmroot.Ctx forTable(SparkSession session, String op, TableIdentifier id,
+      boolean purge) {
+    String db = db(session, id);
+    String location = null;
+    try {
+      location = Cmroot.localPath(String.valueOf(session.sessionState().catalog()
+          .getTableMetadata(new TableIdentifier(id.table(), Option.apply(db))).location()));
+    } catch (Exception e) {
+      // no such table (IF EXISTS) or a temporary view: no location to match
+    }
+    return new Cmroot.Ctx(op, db, id.table(), purge, location);
+  }
+
+  private static String db(SparkSession session, TableIdentifier id) {
+    return id.database().isDefined() ? id.database().get()
+        : session.sessionState().catalog().getCurrentDatabase();
+  }
+}

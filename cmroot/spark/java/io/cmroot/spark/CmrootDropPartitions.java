@@ -1,0 +1,113 @@
+package io.cmroot.spark;
+
+import java.io.File;
+import java.io.IOException;
+import java.util.ArrayList;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Locale;
+import java.util.Map;
+import org.apache.spark.sql.SparkSession;
+import org.apache.spark.sql.catalyst.TableIdentifier;
+import org.apache.spark.sql.catalyst.analysis.NoSuchNamespaceException;
+import org.apache.spark.sql.catalyst.analysis.NoSuchTableException;
+import org.apache.spark.sql.catalyst.catalog.CatalogTable;
+import org.apache.spark.sql.catalyst.catalog.CatalogTablePartition;
+import org.apache.spark.sql.catalyst.catalog.CatalogTableType;
+import org.apache.spark.sql.catalyst.catalog.SessionCatalog;
+import org.apache.spark.sql.execution.command.AlterTableDropPartitionCommand;
+import scala.Option;
+import scala.jdk.javaapi.CollectionConverters;
+
+/**
+ * The data of every partition an {@code ALTER TABLE ... DROP PARTITION} names, staged in one
+ * prepare request before the metastore drops any of them. The metastore drops partitions one
+ * call (and one metastore transaction) at a time: if the data were staged per call, a
+ * partition the daemon refuses would be found after the earlier ones had left the catalog.
+ * Staged together, a refusal leaves every partition, data and catalog entry, as it was.
+ */
+final class CmrootDropPartitions {
+  private CmrootDropPartitions() {}
+
+  static void stage(SparkSession session, AlterTableDropPartitionCommand cmd, CmrootStatement st,
+      Cmroot.Settings s) throws IOException {
+    if (cmd.retainData()) {
+      return;
+    }
+    SessionCatalog catalog = session.sessionState().catalog();
+    TableIdentifier id = cmd.tableName();
+    String db = id.database().isDefined() ? id.database().get() : catalog.getCurrentDatabase();
+    TableIdentifier qualified = new TableIdentifier(id.table(), Option.apply(db));
+    CatalogTable table;
+    try {
+      table = catalog.getTableMetadata(qualified);
+    } catch (NoSuchTableException | NoSuchNamespaceException e) {
+      return; // the command itself says so
+    }
+    if (table.tableType() != CatalogTableType.MANAGED()) {
+      return; // the metastore keeps an external table's data
+    }
+    String tableLoc = Cmroot.localPath(String.valueOf(table.location()));
+    List<String> columns = CollectionConverters.asJava(table.partitionColumnNames());
+    boolean purge = cmd.purge() || "true".equalsIgnoreCase(
+        table.properties().getOrElse("auto.purge", () -> "false"));
+    List<String> paths = new ArrayList<>();
+    List<Map<String, String>> parts = new ArrayList<>();
+    List<String> keys = new ArrayList<>();
+    for (scala.collection.immutable.Map<String, String> spec
+        : CollectionConverters.asJava(cmd.specs())) {
+      scala.collection.immutable.Map<String, String> normalized = normalize(spec, columns);
+      if (normalized == null) {
+        return; // not a partition column: the command itself says so
+      }
+      for (CatalogTablePartition p : CollectionConverters.asJava(
+          catalog.listPartitions(qualified, Option.apply(normalized)))) {
+        String loc = Cmroot.localPath(String.valueOf(p.location()));
+        Cmroot.refuseRootRemoval(loc, s, "the drop of partition");
+        if (!Cmroot.protectedPath(loc, s) || !Cmroot.holdsFiles(new File(loc).toPath())) {
+          continue;
+        }
+        Map<String, String> kv = new LinkedHashMap<>();
+        List<String> values = new ArrayList<>();
+        for (String c : columns) {
+          String v = p.spec().getOrElse(c, () -> null);
+          kv.put(c, v);
+          values.add(v);
+        }
+        paths.addAll(Cmroot.contents(loc));
+        parts.add(kv);
+        keys.add(CmrootMetastoreListener.dropKey(table.identifier().database().get(),
+            table.identifier().table(), values));
+      }
+    }
+    if (paths.isEmpty()) {
+      return;
+    }
+    String what = "partitions " + parts + " of " + db + "." + id.table();
+    if (st.prepare(paths, "DROP_PARTITION", db, id.table(), purge, parts,
+        Cmroot.protectedPath(tableLoc, s) ? tableLoc : null, what)) {
+      keys.forEach(st::markStaged);
+      CmrootFaults.afterPrepare("the drop of " + what);
+    }
+  }
+
+  /** `spec` with its keys spelled as the table's partition columns; null if one is not. */
+  private static scala.collection.immutable.Map<String, String> normalize(
+      scala.collection.immutable.Map<String, String> spec, List<String> columns) {
+    scala.collection.immutable.Map<String, String> out = scala.collection.immutable.Map$.MODULE$
+        .empty();
+    for (scala.Tuple2<String, String> kv : CollectionConverters.asJava(spec.toList())) {
+      String column = null;
+      for (String c : columns) {
+        if (c.toLowerCase(Locale.ROOT).equals(kv._1().toLowerCase(Locale.ROOT))) {
+          column = c;
+        }
+      }
+      if (column == null) {
+        return null;
+      }
+      out = out.updated(column, kv._2());
+    }
+    return out;
+  }
+}

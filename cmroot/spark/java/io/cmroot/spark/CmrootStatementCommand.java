@@ -1,0 +1,154 @@
+package io.cmroot.spark;
+
+import java.util.List;
+import org.apache.spark.sql.Row;
+import org.apache.spark.sql.SparkSession;
+import org.apache.spark.sql.catalyst.plans.logical.Command;
+import org.apache.spark.sql.catalyst.plans.logical.LogicalPlan;
+import org.apache.spark.sql.catalyst.trees.LeafLike;
+import org.apache.spark.sql.execution.command.AlterTableDropPartitionCommand;
+import org.apache.spark.sql.execution.command.LeafRunnableCommand;
+import org.apache.spark.sql.execution.command.RunnableCommand;
+import scala.Enumeration;
+import scala.collection.immutable.Seq;
+import scala.jdk.javaapi.CollectionConverters;
+
+/**
+ * A destructive command, wrapped (as delta-spark replaces commands) so that it runs as one
+ * {@link CmrootStatement}: the statement's context is set for exactly the time the command
+ * runs (try/finally, on its thread and the threads it starts), every recycle its deletes
+ * make is prepared in the statement's transaction, and that transaction is committed once
+ * the command returned, or aborted when it threw. {@link CmrootExtensions} puts it around the
+ * analyzed command; the command itself runs unchanged, through its own query execution.
+ *
+ * <p>A DROP PARTITION stages the data of every partition it names first, in one request:
+ * the metastore drops partitions one call at a time, so without that a refused partition
+ * would be found only after the earlier ones were gone from the catalog.
+ */
+public final class CmrootStatementCommand extends LogicalPlan implements LeafRunnableCommand {
+  private static final long serialVersionUID = 1L;
+
+  private final LogicalPlan inner;
+  private final Cmroot.Ctx ctx;
+  private Seq<Enumeration.Value> nodePatterns;
+
+  public CmrootStatementCommand(LogicalPlan inner, Cmroot.Ctx ctx) {
+    this.inner = inner;
+    this.ctx = ctx;
+    // What scalac emits for a class mixing these traits in: it sets the trait's vals.
+    Command.$init$(this);
+    RunnableCommand.$init$(this);
+    LeafLike.$init$(this);
+  }
+
+  LogicalPlan inner() {
+    return inner;
+  }
+
+  @Override
+  public Seq<Row> run(SparkSession session) {
+    Cmroot.Settings s = Cmroot.settings(null);
+    CmrootStatement st = CmrootStatement.open(ctx, s);
+    try {
+      List<Row> rows;
+      try {
+        if (inner instanceof AlterTableDropPartitionCommand) {
+          CmrootDropPartitions.stage(session, (AlterTableDropPartitionCommand) inner, st, s);
+        }
+        rows = org.apache.spark.sql.classic.Dataset$.MODULE$
+            .ofRows((org.apache.spark.sql.classic.SparkSession) session, inner)
+            .collectAsList();
+      } catch (Throwable e) {
+        st.abort("the statement failed: " + e);
+        throw Cmroot.unchecked(e);
+      }
+      try {
+        st.commit();
+      } catch (Cmroot.RecycleException e) {
+        throw Cmroot.unchecked(e);
+      }
+      return CollectionConverters.asScala(rows).toList();
+    } finally {
+      st.close();
+    }
+  }
+
+  // -- what a Scala case class gets from the compiler -------------------------------------
+
+  @Override
+  public Seq<org.apache.spark.sql.catalyst.expressions.Attribute> output() {
+    return inner.output();
+  }
+
+  @Override
+  public Seq<LogicalPlan> children() {
+    return scala.collection.immutable.List$.MODULE$.empty();
+  }
+
+  @Override
+  public LogicalPlan withNewChildrenInternal(
+      scala.collection.immutable.IndexedSeq<LogicalPlan> newChildren) {
+    return this;
+  }
+
+  @Override
+  public LogicalPlan mapChildren(scala.Function1<LogicalPlan, LogicalPlan> f) {
+    return this;
+  }
+
+  /** What EXPLAIN shows: the statement, and the command it runs. */
+  @Override
+  public String simpleString(int maxFields) {
+    return "CmrootStatement " + ctx + ": " + inner.simpleString(maxFields);
+  }
+
+  @Override
+  public Seq<Enumeration.Value> nodePatterns() {
+    return nodePatterns;
+  }
+
+  @Override
+  public void org$apache$spark$sql$catalyst$plans$logical$Command$_setter_$nodePatterns_$eq(
+      Seq<Enumeration.Value> patterns) {
+    this.nodePatterns = patterns;
+  }
+
+  // Command's and RunnableCommand's: Java takes LogicalPlan's over a trait's default.
+  @Override
+  public org.apache.spark.sql.catalyst.expressions.AttributeSet producedAttributes() {
+    return outputSet();
+  }
+
+  @Override
+  public org.apache.spark.sql.catalyst.plans.logical.Statistics stats() {
+    return org.apache.spark.sql.catalyst.plans.logical.Statistics$.MODULE$.DUMMY();
+  }
+
+  @Override
+  public scala.collection.immutable.Map<String,
+      org.apache.spark.sql.execution.metric.SQLMetric> metrics() {
+    return scala.collection.immutable.Map$.MODULE$.empty();
+  }
+
+  @Override
+  public int productArity() {
+    return 2;
+  }
+
+  @Override
+  public Object productElement(int n) {
+    switch (n) {
+      case 0:
+        return inner;
+      case 1:
+        return ctx;
+      default:
+        throw new IndexOutOfBoundsException(String.valueOf(n));
+    }
+  }
+
+  @Override
+  public boolean canEqual(Object other) {
+    return other instanceof CmrootStatementCommand;
+  }
+}

@@ -1,0 +1,290 @@
+package io.cmroot.spark;
+
+import com.fasterxml.jackson.databind.JsonNode;
+import java.time.Duration;
+import java.util.ArrayList;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import java.util.concurrent.Executors;
+import java.util.concurrent.ScheduledExecutorService;
+import java.util.concurrent.ScheduledFuture;
+import java.util.concurrent.TimeUnit;
+
+/**
+ * One two-phase recycle at the daemon (DESIGN, the two-phase rows of the API table): the
+ * files one statement removes for one (op, db, table, purge), moved into the daemon's staging
+ * by {@code POST /v1/recycle} with {@code "prepare": true}, seen by nobody, then published
+ * with their one event by {@code commit} or put back by {@code abort}. Later parts of the same
+ * statement join it with its txid; a refused part makes the daemon put every part back.
+ *
+ * <p>While it is open a background thread renews its lease, so a long job commit or metastore
+ * transaction keeps it; if this JVM dies the renewals stop and the daemon puts the files back
+ * when the lease passes. That is also what happens to an abort that cannot reach the daemon.
+ */
+final class CmrootTransaction {
+  // A commit that meets no daemon is retried for about half a minute (a daemon restarting);
+  // the lease (spark.cmroot.lease, default 10 minutes) outlasts that many times over.
+  private static final int COMMIT_ATTEMPTS = 7;
+  private static final long FIRST_BACKOFF_MS = 500;
+  private static final Duration CALL_TIMEOUT = Duration.ofMinutes(10);
+
+  private static final ScheduledExecutorService RENEWER =
+      Executors.newSingleThreadScheduledExecutor(r -> {
+        Thread t = new Thread(r, "cmroot-lease-renewer");
+        t.setDaemon(true);
+        return t;
+      });
+
+  private final Cmroot.Settings s;
+  final String op;
+  final String db;
+  final String table;
+  final boolean purge;
+  private final String location;
+  private final String what;
+
+  private volatile String txid; // null until the daemon answered the first prepare
+  private List<JsonNode> files = List.of(); // every file staged so far, with its checksum
+  private boolean finished;
+  private ScheduledFuture<?> renewal;
+
+  /** `what` names the statement's change in messages ("table db.t", "the overwrite of P"). */
+  CmrootTransaction(Cmroot.Settings s, String op, String db, String table, boolean purge,
+      String location, String what) {
+    this.s = s;
+    this.op = op == null ? "DELETE" : op;
+    this.db = db;
+    this.table = table;
+    this.purge = purge;
+    this.location = location;
+    this.what = what;
+  }
+
+  /** The key of the transaction a statement keeps for one kind of recycle. */
+  static String key(String op, String db, String table, boolean purge) {
+    return op + "\u0000" + db + "\u0000" + table + "\u0000" + purge;
+  }
+
+  /**
+   * Stage `paths` (all or nothing; `part` names them in messages) as one more part of this
+   * transaction. Returns true when
+   * staged; false when the daemon could not take the first part and spark.cmroot.failOpen is
+   * true (logged and counted: the caller then deletes as Spark would). Throws when the daemon
+   * refused or could not be reached: nothing of this part was moved and, for a later part,
+   * every earlier part is back where it was too (the statement is one unit).
+   */
+  synchronized boolean prepare(List<String> paths, List<Map<String, String>> partitions,
+      String part) throws Cmroot.RecycleException {
+    if (finished) {
+      throw new Cmroot.RecycleException("cmroot: the recycle of " + what + " (transaction "
+          + txid + ") was already committed or aborted; run the statement again", null);
+    }
+    Map<String, Object> body = new LinkedHashMap<>();
+    body.put("paths", paths);
+    body.put("mode", "move");
+    body.put("purge", purge);
+    body.put("op", op);
+    if (db != null) {
+      body.put("db", db);
+    }
+    if (table != null) {
+      body.put("table", table);
+    }
+    body.put("partitions", partitions == null ? List.of() : partitions);
+    if (location != null) {
+      body.put("location", location);
+    }
+    body.put("prepare", true);
+    body.put("lease", s.leaseSeconds);
+    if (txid != null) {
+      body.put("txid", txid);
+    }
+    long t0 = System.nanoTime();
+    Cmroot.Answer a = Cmroot.post("/v1/recycle", body, s, CALL_TIMEOUT);
+    if (a.ok) {
+      try {
+        JsonNode answer = a.json();
+        List<JsonNode> staged = new ArrayList<>();
+        answer.path("files").forEach(staged::add);
+        files = staged;
+        if (txid == null) {
+          txid = answer.path("txid").asText();
+          long every = Math.max(1, s.leaseSeconds / 3);
+          renewal = RENEWER.scheduleAtFixedRate(this::renew, every, every, TimeUnit.SECONDS);
+        }
+      } catch (java.io.IOException e) {
+        throw new Cmroot.RecycleException("cmroot: the daemon at " + s.url + " answered the "
+            + "prepare of " + part + " with something that is not its JSON: " + e, e);
+      }
+      if (Cmroot.LOG.isDebugEnabled()) {
+        Cmroot.LOG.debug("cmroot: prepared {} ({} paths, op {}, transaction {}) in {} ms",
+            part, paths.size(), op, txid, (System.nanoTime() - t0) / 1_000_000);
+      }
+      return true;
+    }
+    String msg = "cmroot could not recycle " + part + " (op " + op + ", " + paths.size()
+        + " path(s), first " + paths.get(0) + "): " + a.problem;
+    if (txid != null) {
+      // A part of a transaction already holding files: the daemon rolled it all back when it
+      // refused; if it did not answer, take no chances and abort.
+      if (a.status == 0) {
+        abort("its part " + paths.get(0) + " got no answer");
+      }
+      finish();
+      Cmroot.LOG.error("{}; every part of the statement stays where it was", msg);
+      throw new Cmroot.RecycleException(msg + ". Nothing was deleted: the files of every "
+          + "earlier part of this statement are back where they were. Fix the request (or "
+          + "start the daemon), then run the statement again.", a.cause);
+    }
+    if (a.status == 0) {
+      msg += " (if the daemon staged anything before the answer was lost, it puts it back "
+          + "when the lease of " + s.leaseSeconds + " s passes)";
+    }
+    if (s.failOpen) {
+      Cmroot.FAIL_OPEN_DELETES.incrementAndGet();
+      Cmroot.LOG.warn("{}; deleting WITHOUT a copy in cmroot because spark.cmroot.failOpen=true "
+          + "(fail-open deletions so far: {})", msg, Cmroot.FAIL_OPEN_DELETES.get());
+      return false;
+    }
+    Cmroot.LOG.error("{}; nothing deleted: the statement fails (spark.cmroot.failOpen=false)",
+        msg);
+    throw new Cmroot.RecycleException(msg + ". Nothing was deleted (spark.cmroot.failOpen="
+        + "false). Start the daemon or fix the request, then run the statement again.", a.cause);
+  }
+
+  /** Whether a part was staged and neither committed nor aborted yet. */
+  synchronized boolean pending() {
+    return txid != null && !finished;
+  }
+
+  /**
+   * Publish every staged file with the transaction's one event. Retried while the daemon
+   * cannot be reached or is overloaded. Throws when it could not be published; the files are
+   * then put back (now, or by the daemon when the lease passes).
+   */
+  synchronized void commit() throws Cmroot.RecycleException {
+    if (txid == null || finished) {
+      return;
+    }
+    Cmroot.Answer a = null;
+    long backoff = FIRST_BACKOFF_MS;
+    for (int attempt = 1; attempt <= COMMIT_ATTEMPTS; attempt++) {
+      a = Cmroot.post("/v1/transactions/" + txid + "/commit", Map.of(), s, CALL_TIMEOUT);
+      if (a.ok || (a.status == 404 && attempt > 1 && committedMeanwhile())) {
+        finish();
+        if (Cmroot.LOG.isDebugEnabled()) {
+          Cmroot.LOG.debug("cmroot: committed {} (transaction {}, {} files)", what, txid,
+              files.size());
+        }
+        return;
+      }
+      if (a.status != 0 && a.status != 503) {
+        break; // refused: retrying cannot help
+      }
+      Cmroot.LOG.warn("cmroot: commit of {} (transaction {}) attempt {} of {}: {}; retrying",
+          what, txid, attempt, COMMIT_ATTEMPTS, a.problem);
+      if (attempt < COMMIT_ATTEMPTS && !sleep(backoff)) {
+        break;
+      }
+      backoff *= 2;
+    }
+    String msg = "cmroot could not commit the recycle of " + what + " (op " + op
+        + ", transaction " + txid + ", " + files.size() + " file(s)): " + a.problem;
+    if (a.status == 404) {
+      msg += " (its lease of " + s.leaseSeconds + " s passed, or it was aborted: the daemon "
+          + "put the files back)";
+    } else {
+      abort("its commit failed");
+    }
+    finish();
+    Cmroot.LOG.error(msg);
+    throw new Cmroot.RecycleException(msg + ". No event was recorded for it.", a.cause);
+  }
+
+  /**
+   * Put every staged file back. Never throws: if the daemon cannot be reached, it puts them
+   * back itself when the lease passes (no renewals come from here any more).
+   */
+  synchronized void abort(String why) {
+    if (txid == null || finished) {
+      return;
+    }
+    finish();
+    Cmroot.Answer a = Cmroot.post("/v1/transactions/" + txid + "/abort", Map.of(), s,
+        CALL_TIMEOUT);
+    if (a.ok || a.status == 404) {
+      Cmroot.LOG.info("cmroot: aborted the recycle of {} (transaction {}, {} file(s) put back): "
+          + "{}", what, txid, files.size(), why);
+      return;
+    }
+    Cmroot.LOG.error("cmroot could not abort the recycle of {} (transaction {}, {} file(s)) "
+        + "after {}: {}. The daemon puts the files back itself when the transaction's lease "
+        + "passes, at most {} s from now (no more renewals are sent).", what, txid,
+        files.size(), why, a.problem, s.leaseSeconds);
+  }
+
+  private void finish() {
+    finished = true;
+    if (renewal != null) {
+      renewal.cancel(false);
+    }
+  }
+
+  /** Keep the lease while the statement runs (from the renewer thread, never blocking it). */
+  private void renew() {
+    String id = txid;
+    Cmroot.Answer a = Cmroot.post("/v1/transactions/" + id + "/renew",
+        Map.of("lease", s.leaseSeconds), s, Duration.ofSeconds(Math.max(1, s.leaseSeconds / 3)));
+    if (!a.ok && a.status != 0) {
+      Cmroot.LOG.error("cmroot: the lease of the recycle of {} (transaction {}) could not be "
+          + "renewed: {}", what, id, a.problem);
+    } else if (!a.ok) {
+      Cmroot.LOG.warn("cmroot: renewing the lease of transaction {}: {}; trying again", id,
+          a.problem);
+    }
+  }
+
+  /**
+   * After a commit whose answer was lost, a retry finds the transaction gone: committed, or
+   * rolled back? Committed if every staged file resolves to the cmroot (none back in place).
+   */
+  private boolean committedMeanwhile() {
+    if (files.isEmpty()) {
+      return false;
+    }
+    List<Map<String, String>> pairs = new ArrayList<>();
+    for (JsonNode f : files) {
+      pairs.add(Map.of("path", f.path("path").asText(), "checksum", f.path("checksum").asText()));
+    }
+    Cmroot.Answer a = Cmroot.post("/v1/resolve", Map.of("files", pairs), s, CALL_TIMEOUT);
+    if (!a.ok) {
+      return false;
+    }
+    try {
+      for (JsonNode r : a.json().path("files")) {
+        if (!"cmroot".equals(r.path("status").asText())) {
+          return false;
+        }
+      }
+      return true;
+    } catch (java.io.IOException e) {
+      return false;
+    }
+  }
+
+  private static boolean sleep(long ms) {
+    try {
+      Thread.sleep(ms);
+      return true;
+    } catch (InterruptedException e) {
+      Thread.currentThread().interrupt();
+      return false;
+    }
+  }
+
+  @Override
+  public String toString() {
+    return "transaction " + txid + " (" + what + ", op " + op + ")";
+  }
+}
