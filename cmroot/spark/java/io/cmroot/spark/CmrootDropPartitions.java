@@ -92,6 +92,7 @@ final class CmrootDropPartitions {
   }
 
   /** `spec` with its keys spelled as the table's partition columns; null if one is not. */
+  @SuppressWarnings("unchecked") // Map.updated's Scala signature reaches Java as a raw Map
   private static scala.collection.immutable.Map<String, String> normalize(
       scala.collection.immutable.Map<String, String> spec, List<String> columns) {
     scala.collection.immutable.Map<String, String> out = scala.collection.immutable.Map$.MODULE$
