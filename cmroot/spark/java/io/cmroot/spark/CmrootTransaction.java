@@ -28,6 +28,11 @@ final class CmrootTransaction {
   private static final int COMMIT_ATTEMPTS = 7;
   private static final long FIRST_BACKOFF_MS = 500;
   private static final Duration CALL_TIMEOUT = Duration.ofMinutes(10);
+  // Paths per prepare request: far below the daemon's 100,000 items and 64 MiB body, so a
+  // large overwrite is a few joined parts, not one refused request (nor one per file).
+  private static final int PATHS_PER_REQUEST = 10_000;
+  // Files resolved to tell a lost commit answer from a rolled-back transaction.
+  private static final int RESOLVE_SAMPLE = 1_000;
 
   private static final ScheduledExecutorService RENEWER =
       Executors.newSingleThreadScheduledExecutor(r -> {
@@ -75,6 +80,17 @@ final class CmrootTransaction {
    * every earlier part is back where it was too (the statement is one unit).
    */
   synchronized boolean prepare(List<String> paths, List<Map<String, String>> partitions,
+      String part) throws Cmroot.RecycleException {
+    for (int from = 0; from < paths.size(); from += PATHS_PER_REQUEST) {
+      List<String> chunk = paths.subList(from, Math.min(paths.size(), from + PATHS_PER_REQUEST));
+      if (!prepareRequest(chunk, partitions, part)) {
+        return false; // only ever the first request: a later one joins, and throws
+      }
+    }
+    return true;
+  }
+
+  private boolean prepareRequest(List<String> paths, List<Map<String, String>> partitions,
       String part) throws Cmroot.RecycleException {
     if (finished) {
       throw new Cmroot.RecycleException("cmroot: the recycle of " + what + " (transaction "
@@ -254,7 +270,7 @@ final class CmrootTransaction {
       return false;
     }
     List<Map<String, String>> pairs = new ArrayList<>();
-    for (JsonNode f : files) {
+    for (JsonNode f : files.subList(0, Math.min(files.size(), RESOLVE_SAMPLE))) {
       pairs.add(Map.of("path", f.path("path").asText(), "checksum", f.path("checksum").asText()));
     }
     Cmroot.Answer a = Cmroot.post("/v1/resolve", Map.of("files", pairs), s, CALL_TIMEOUT);
