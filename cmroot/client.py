@@ -68,12 +68,14 @@ class Recycled(_Answer):
 
 @dataclass(frozen=True)
 class PreparedTx(_Answer):
-    """The answer of a prepared recycle: its transaction, every file staged so far (all
-    its parts) and when the daemon rolls it back unless committed or renewed."""
+    """The answer of a prepared recycle: its transaction, the files this part staged, how
+    many the transaction holds (all its parts) and when the daemon rolls it back unless
+    committed or renewed."""
 
     txid: str
     files: list[FileRef]
     expires: float
+    staged: int
 
 
 @dataclass(frozen=True)
@@ -171,11 +173,13 @@ class Client:
             res["txid"],
             [FileRef(f["path"], f["checksum"], int(f["size"])) for f in res["files"]],
             float(res["expires"]),
+            int(res["staged"]),
         )
 
     def commit(self, txid: str) -> Recycled:
-        """Publish a prepared transaction with its one event."""
-        res = self._json("POST", f"/v1/transactions/{txid}/commit", None)
+        """Publish a prepared transaction with its one event. Safe to send again: a
+        transaction already committed answers with the same event."""
+        res = self._json("POST", f"/v1/transactions/{txid}/commit", None, retry=True)
         return Recycled(
             int(res["event_id"]),
             [FileRef(f["path"], f["checksum"], int(f["size"])) for f in res["files"]],

@@ -63,7 +63,7 @@ class EventLog(Base):
         with self.transaction() as db:
             return self._insert_event(db, event)
 
-    def _insert_event(self, db: sqlite3.Connection, e: Event) -> int:
+    def _insert_event(self, db: sqlite3.Connection, e: Event, txid: str | None = None) -> int:
         meta = None
         if e.location is not None or e.table_obj is not None:
             meta = json.dumps({"location": e.location, "tableObj": e.table_obj})
@@ -71,7 +71,7 @@ class EventLog(Base):
         # column is still NOT NULL without a default.
         cur = db.execute(
             "INSERT INTO events (type, db, tbl, partitions, timestamp, server, purge, files,"
-            " meta) VALUES (?, ?, ?, ?, ?, ?, ?, '[]', ?)",
+            " meta, txid) VALUES (?, ?, ?, ?, ?, ?, ?, '[]', ?, ?)",
             (
                 str(e.type),
                 e.db,
@@ -81,6 +81,7 @@ class EventLog(Base):
                 e.server,
                 int(e.purge),
                 meta,
+                txid,
             ),
         )
         assert cur.lastrowid is not None
@@ -102,6 +103,11 @@ class EventLog(Base):
             (start, limit),
         )
         return [_event(r, self.event_files(r[0])) for r in rows]
+
+    def event_of_tx(self, txid: str) -> int | None:
+        """The id of the event recycle transaction `txid` recorded, if it committed one."""
+        rows = self._query("SELECT id FROM events WHERE txid = ?", (txid,))
+        return int(rows[0][0]) if rows else None
 
     def event_files(
         self, event_id: int, after: int = -1, limit: int | None = None

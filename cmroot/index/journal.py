@@ -131,7 +131,7 @@ class JournalTables(Catalog, EventLog):
         objects, the identities of copied sources (for clean-up), and mark the transaction
         committed. Returns the event id (0 without an event)."""
         with self.transaction() as db:
-            event_id = self._insert_event(db, event) if event is not None else 0
+            event_id = self._insert_event(db, event, txid) if event is not None else 0
             self._record_entries(db, entries, event_id)
             if txid is not None:
                 db.executemany(

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from cmroot.exceptions import ConfigError
 
-VERSION = 3
+VERSION = 4
 
 SCHEMA = """
 CREATE TABLE objects (
@@ -69,8 +69,11 @@ CREATE TABLE events (
     server     TEXT NOT NULL,
     purge      INTEGER NOT NULL,
     files      TEXT NOT NULL DEFAULT '[]',  -- unused since version 2: see event_files
-    meta       TEXT            -- JSON {"location", "tableObj"}, or NULL
+    meta       TEXT,           -- JSON {"location", "tableObj"}, or NULL
+    txid       TEXT            -- the recycle transaction that recorded it, or NULL
 );
+-- A commit retried after its answer was lost finds the event it made.
+CREATE UNIQUE INDEX events_txid ON events(txid) WHERE txid IS NOT NULL;
 -- The files of an event, one row each: a million-file drop is a million small rows that
 -- can be paged, not one huge JSON value.
 CREATE TABLE event_files (
@@ -218,8 +221,15 @@ def _v3(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE journal ADD COLUMN size INTEGER")
 
 
+def _v4(db: sqlite3.Connection) -> None:
+    """The transaction of each recycle event, so a commit retried after its answer was
+    lost is answered with the event it made (events recorded before have none)."""
+    db.execute("ALTER TABLE events ADD COLUMN txid TEXT")
+    db.execute("CREATE UNIQUE INDEX events_txid ON events(txid) WHERE txid IS NOT NULL")
+
+
 MIGRATIONS: list[tuple[int, Callable[[sqlite3.Connection], None]]] = [
-    (1, _v1), (2, _v2), (3, _v3)
+    (1, _v1), (2, _v2), (3, _v3), (4, _v4)
 ]
 
 

@@ -49,7 +49,7 @@ log = logging.getLogger("cmroot.server")
 T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-_REFUSED = (BadRequest, Forbidden, NotFound)  # refused before anything moved
+_REFUSED = (BadRequest, Conflict, Forbidden, NotFound)  # refused before anything moved
 # Bodies up to this size are decoded on the event loop; larger ones in a worker.
 _DECODE_INLINE = 1 << 20
 _ENCODER = msgspec.json.Encoder()
@@ -458,7 +458,8 @@ async def transaction(request: web.Request) -> web.Response:
     txid, action = request.match_info["txid"], request.match_info["action"]
     if action == "commit":
         result = await _counted(request, svc.store.commit, txid)
-        _recycled(svc, result.op, result)
+        if not result.again:
+            _recycled(svc, result.op, result)
         log.info("committed", extra={"txid": txid, "event_id": result.event_id,
                                      "files": len(result.files)})
         return _json(result.to_json())

@@ -136,6 +136,7 @@ class RecycleResult:
     event_id: int
     files: list[RecycledFile]
     op: str = "DELETE"  # the event's type (for metrics; not part of the answer)
+    again: bool = False  # a retried commit's answer: nothing moved now (not counted twice)
 
     def to_json(self) -> dict[str, Any]:
         return {"event_id": self.event_id, "files": [f.to_json() for f in self.files]}
@@ -412,7 +413,7 @@ class Recycler:
                     joined, merged.to_json(), list(dict.fromkeys([*tx.dirs, *dirs])),
                     ((it.seq, it.key, it.staged, it.method) for it in items),
                 ):
-                    raise _gone(joined)
+                    raise self._gone(joined)
 
             return self._stage_prepared(joined, merged, earlier, items, until, progress, join)
 
@@ -435,14 +436,25 @@ class Recycler:
             self._abort(txid, req, [*earlier, *items], self.clock(), e)
             raise
         faults.point("recycle.prepared")
-        every = [*earlier, *items]
+        # This part's files only: a statement that joins one file at a time (Hive's
+        # deletes) would otherwise be answered with every earlier file again, n² in all.
         return Prepared(
-            txid, [RecycledFile(it.key, it.checksum or "", it.size) for it in every], until
+            txid, [RecycledFile(it.key, it.checksum or "", it.size) for it in items], until,
+            len(earlier) + len(items),
         )
 
     def commit(self, txid: str) -> RecycleResult:
-        """Publish a prepared transaction's files and record them with their one event."""
+        """Publish a prepared transaction's files and record them with their one event.
+        A commit retried after its answer was lost gets the same answer again."""
         with self._tx_lock(txid):
+            event_id = self._committed(txid)
+            if event_id is not None:
+                files = self.index.event_files(event_id)
+                return RecycleResult(
+                    event_id,
+                    [RecycledFile(f["path"], f["checksum"], f["size"]) for f in files],
+                    again=True,
+                )
             tx = self._prepared(txid)
             items = self.journal.items_of(tx)
 
@@ -464,7 +476,7 @@ class Recycler:
         until = self.clock() + _lease(lease)
         with self._tx_lock(txid):
             if not self.index.journal_renew(txid, until):
-                raise _gone(txid)
+                raise self._gone(txid)
         return until
 
     def expire(self) -> int:
@@ -512,12 +524,32 @@ class Recycler:
         to a late commit never depends on timing."""
         found = self.index.pending(txid) if _TXID.fullmatch(txid) else []
         if not found or found[0].state != TxState.PREPARED:
-            raise _gone(txid)
+            raise self._gone(txid)
         tx = found[0]
         if tx.lease is not None and tx.lease < self.clock():
             self._roll_back(tx)
-            raise _gone(txid)
+            raise self._gone(txid)
         return tx
+
+    def _committed(self, txid: str) -> int | None:
+        """The event a committed transaction recorded (None: not committed)."""
+        return self.index.event_of_tx(txid) if _TXID.fullmatch(txid) else None
+
+    def _gone(self, txid: str) -> CmrootError:
+        """Why `txid` is no longer prepared: committed (409, so a late abort is never
+        taken for a rollback), or rolled back, expired or unknown (404)."""
+        event_id = self._committed(txid)
+        if event_id is not None:
+            return Conflict(
+                "transaction already committed",
+                f"{txid} was committed as event {event_id}: there is nothing to abort, "
+                "renew or join; a new statement prepares a new transaction",
+            )
+        return NotFound(
+            "no such prepared transaction",
+            f"{txid[:64]!r} is not prepared: it was aborted or rolled back when its lease"
+            " expired (or never existed); run the statement again",
+        )
 
     @contextmanager
     def _tx_lock(self, txid: str) -> Iterator[None]:
@@ -542,16 +574,18 @@ class Recycler:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A prepared transaction: every file staged so far (all its parts), and when it is
-    rolled back unless committed or renewed."""
+    """One prepared part of a transaction: the files it staged, how many the whole
+    transaction holds (all its parts), and when it is rolled back unless committed or
+    renewed."""
 
     txid: str
     files: list[RecycledFile]
     expires: float
+    staged: int
 
     def to_json(self) -> dict[str, Any]:
         return {"txid": self.txid, "files": [f.to_json() for f in self.files],
-                "expires": self.expires}
+                "expires": self.expires, "staged": self.staged}
 
 
 MAX_LEASE = 86400.0  # a statement holding files away for over a day is a stuck one
@@ -566,14 +600,6 @@ def _lease(seconds: float) -> float:
     ):
         raise BadRequest("bad lease", f"{seconds!r}: give seconds between 1 and {MAX_LEASE:.0f}")
     return float(seconds)
-
-
-def _gone(txid: str) -> NotFound:
-    return NotFound(
-        "no such prepared transaction",
-        f"{txid[:64]!r} is not prepared: it was committed, aborted or rolled back when its"
-        " lease expired (or never existed); run the statement again",
-    )
 
 
 def _one_table(req: RecycleRequest, paths: Iterable[tuple[Root, str, str]]) -> None:

@@ -49,9 +49,13 @@ def test_prepare_join_commit_is_one_unseen_then_visible_event(daemon: Daemon) ->
     assert r.status == 200, r
     txid = r.json()["txid"]
     assert r.json()["expires"] > time.time()
+    first = [f["path"] for f in r.json()["files"]]
     r = d.request("POST", "/v1/recycle", _part(d, 1, txid=txid), scope="write")
     assert r.status == 200, r
-    moved = sorted(f["path"] for f in r.json()["files"])
+    # A joined part is answered with its own files and the count the whole holds.
+    assert sorted(f["path"] for f in r.json()["files"]) == sorted(p for p in files if "/p=1/" in p)
+    assert r.json()["staged"] == 4
+    moved = sorted(first + [f["path"] for f in r.json()["files"]])
     assert moved == sorted(p for p in files if "/p=0/" in p or "/p=1/" in p)
     assert _statuses(d, files, moved) == ["missing"] * 4
     assert _events(d) == []
@@ -64,8 +68,20 @@ def test_prepare_join_commit_is_one_unseen_then_visible_event(daemon: Daemon) ->
     assert event["id"] == r.json()["event_id"]
     assert _statuses(d, files, moved) == ["cmroot"] * 4
     assert 'cmroot_recycled_files_total{op="DROP_PARTITION"} 4.0' in d.metrics()
-    r = d.request("POST", f"/v1/transactions/{txid}/commit", scope="write")
-    assert r.status == 404, r
+    # A commit sent again (its answer was lost) gets the same answer, nothing moves and
+    # nothing is counted twice; an abort, renew or join now is a conflict, not a rollback.
+    again = d.request("POST", f"/v1/transactions/{txid}/commit", scope="write")
+    assert again.status == 200 and again.json() == r.json(), again
+    assert len(_events(d)) == 1
+    assert 'cmroot_recycled_files_total{op="DROP_PARTITION"} 4.0' in d.metrics()
+    for path, body in [
+        (f"/v1/transactions/{txid}/abort", None),
+        (f"/v1/transactions/{txid}/renew", None),
+        ("/v1/recycle", _part(d, 2, txid=txid)),
+    ]:
+        late = d.request("POST", path, body, scope="write")
+        assert late.status == 409 and "already committed" in late.json()["error"], late
+    assert all(Path(p).exists() for p in files if "/p=2/" in p)
     assert not d.errors(), d.log()
 
 
@@ -160,8 +176,9 @@ def test_client_two_phase(daemon: Daemon) -> None:
     p = c.prepare([str(d.warehouse / "db.db" / "t" / "p=0")], **part)
     p = c.prepare([str(d.warehouse / "db.db" / "t" / "p=1")], txid=p.txid, lease=60,
                   **{**part, "partitions": [{"p": "1"}]})
-    assert len(p.files) == 4 and c.renew(p.txid, 120) > time.time() + 100
-    assert len(c.commit(p.txid).files) == 4
+    assert len(p.files) == 2 and p.staged == 4 and c.renew(p.txid, 120) > time.time() + 100
+    done = c.commit(p.txid)
+    assert len(done.files) == 4 and c.commit(p.txid) == done
     p = c.prepare([str(d.warehouse / "db.db" / "t" / "p=2")], **part)
     assert c.abort(p.txid) == []
     assert all(Path(k).read_bytes() == v for k, v in files.items() if "/p=2/" in k)

@@ -37,10 +37,13 @@ def _untouched(env: Env, before: dict[str, object], files: dict[str, bytes]) -> 
 
 def test_prepared_files_are_unseen_until_commit_then_one_event(env: Env, store: Store) -> None:
     tdir, files = _table(env)
-    p = store.prepare(_part(tdir, 0))
-    p = store.prepare(_part(tdir, 1), txid=p.txid)
-    moved = {f.path for f in p.files}
+    first = store.prepare(_part(tdir, 0))
+    p = store.prepare(_part(tdir, 1), txid=first.txid)
+    # Each part is answered with its own files, and the count the transaction holds.
+    assert {f.path for f in p.files} == {k for k in files if "/p=1/" in k}
+    moved = {f.path for f in first.files} | {f.path for f in p.files}
     assert moved == {k for k in files if "/p=0/" in k or "/p=1/" in k}
+    assert p.staged == len(moved)
     assert all(not Path(k).exists() for k in moved)
     assert store.events() == []
     assert [r.status for r in store.resolve(
@@ -57,9 +60,9 @@ def test_prepared_files_are_unseen_until_commit_then_one_event(env: Env, store: 
     )] == ["cmroot"] * len(moved)
     assert not (tdir / "p=0").exists() and (tdir / "p=2").is_dir()
     assert os.listdir(env.staging_dir) == []
-    with pytest.raises(NotFound):
-        store.commit(p.txid)  # once only
-    with pytest.raises(NotFound):
+    assert store.commit(p.txid).event_id == res.event_id  # the same answer, nothing more
+    assert len(store.events()) == 1
+    with pytest.raises(Conflict, match="already committed"):
         store.abort(p.txid)
 
 
