@@ -11,34 +11,58 @@ or by URL chaining, e.g. `pd.read_parquet(...)`/`df.to_parquet("cmroot::file:///
 
 What is protected, and how:
 
+- **Paths as the target reaches them.** A path is read as the target filesystem reads it
+  (its own `_strip_protocol`: on the local filesystem `file:`, `local:` and `~` too;
+  `os.PathLike` accepted, anything else a `BadRequest`). On the local filesystem it is
+  then resolved as the kernel resolves it, once, before anything is decided: every
+  symlink and `..` on the way (`x/link/..` is the link target's parent), and for a write
+  the file itself too (a write through a symlink writes the file it points to); a delete
+  removes a symlink, not what it points to. Every decision (a root or not, the Spark and
+  Hive staging exemption) is made on that real path, and the call acts on it, not on the
+  name it was given: a symlink on the way that changes afterwards changes nothing.
 - **The roots and their ancestors.** A warehouse root (`warehouse_roots=`, default the
   cmroot config's `store.warehouse_roots`) and every directory that contains one (`/lake`
   for the root `/lake/warehouse`, and `/`) is never removed, moved or written over: `rm`
   (recursive or not, named or matched by a glob), `rm_file`, `rmdir`, `mv`/`rename` of
   one or onto one's name (moving files *into* a root is fine) and every write onto one
   raise `Forbidden` naming the root and the fix, before anything is listed or deleted,
-  whether the daemon is up or not (`fail_open` included). Paths are compared after
-  normalisation: `..`, repeated and trailing slashes, URL chaining
-  (`cmroot::file:///lake`) and, on the local filesystem, symlinks (a path is refused if
-  it or its real path is, or contains, a root's configured or real path).
-- **Deletes.** Files under a root (by name, or by real path through a symlinked directory;
-  Spark and Hive staging directories excepted) are recycled before they go, every path of
-  the call in one all-or-nothing request. When the same call also deletes paths outside
-  the roots, the recycle is prepared, those are deleted, then it is committed: a failure
-  in between aborts it (the recycled files come back).
-- **Overwrites** (`open(..., "wb"|"ab")`, `pipe_file`, `put_file`, `cp_file`, `mv` onto an
-  existing file, `touch(truncate=True)`). The new bytes are written beside the file first
-  (an append copies the file and appends to the copy). Once they are complete, one
-  two-phase recycle replaces it: *prepare* moves the old file into the daemon's staging
-  (nothing is published), the new file is moved into place (never over anything that
-  appeared there meanwhile), then *commit* publishes the event. A failed write or a
-  refused prepare leaves the old file untouched; a failed move-in takes the new files
-  already moved back out and aborts, so every old file is back and no event exists.
-- **One transaction per call.** A call that replaces several files (`put`, `copy`, `mv`
-  of several files, `pipe` of a dict) writes every new file first, then makes one
+  whether the daemon is up or not (`fail_open` included). On the local filesystem what
+  the hook removes itself (paths outside the roots, symlinks and staging directories
+  under them, emptied directories) is removed relative to a directory descriptor opened
+  without following any symlink, and a directory whose device and inode are a root's or
+  an ancestor's is never removed: a directory on the way swapped for a symlink after the
+  path was resolved makes the call fail (`Conflict`) instead of deleting elsewhere.
+- **Deletes.** Files under a root (Spark and Hive staging directories excepted) are
+  recycled before they go, every path of the call in one two-phase transaction: prepare,
+  delete the call's paths outside the roots, commit; a failure in between aborts it (the
+  recycled files come back). Everything a call names is checked first (a directory
+  without `recursive=True`, a missing path), so a call the target would refuse midway
+  deletes nothing.
+- **Overwrites** (`open(..., "wb"|"ab"|"r+b"|...)`, `pipe_file`, `put_file`, `cp_file`,
+  `get_file` onto the local filesystem, `mv` onto an existing file,
+  `touch(truncate=True)`). The new bytes are written beside the file first (an append or
+  a `+` mode works on a copy of the file). Once they are complete, one two-phase recycle
+  replaces it: *prepare* moves the old file into the daemon's staging (nothing is
+  published), the new file is moved into place (never over anything that appeared there
+  meanwhile: renameat2 RENAME_NOREPLACE on the local filesystem), then *commit* publishes
+  the event. A failed write leaves the old file untouched (a `with` block that raises
+  drops the new bytes, in text mode and under a compression codec too); a refused
+  prepare leaves it too; a failed move-in takes the new files already moved back out and
+  aborts, so every old file is back and no event exists. A copy the target would refuse
+  or that replaces nothing (a directory as the source, a file onto itself) goes to the
+  target as it is: its answer, nothing recycled.
+- **One transaction per call.** A call that replaces several files (`put`, `get`, `copy`,
+  `mv` of several files, `pipe` of a dict) writes every new file first, then makes one
   prepare, the move-ins and one commit. If any part fails or is refused, every path under
   a root is as it was: old files back, files the call created there removed, moved
-  sources returned.
+  sources returned. A file the call itself created is its own output: writing it again
+  replaces it without a recycle.
+- **`fs.transaction`** is one unit too: the replacements made inside it wait for its end,
+  `rm`s inside it join its two-phase transaction at once (the files leave for staging),
+  files it creates under a root are taken back if it fails, and files opened for writing
+  elsewhere are deferred by the target, as fsspec defers them. A block that ends cleanly
+  commits all of it with one event; one that raises leaves every path as it was, with no
+  event.
 - **The lease.** Between prepare and commit there are only renames on a local
   filesystem (the long writes come before the prepare); on an object store a move-in is a
   server-side copy, which can take long for big objects, so between move-ins the lease is
@@ -53,7 +77,9 @@ What is protected, and how:
   overwrites, the old bytes are kept in the store as *displaced* entries, retrievable by
   path and old checksum, with no event. Nothing is lost and no replica replays a change
   that is not recorded; replicas do not see this overwrite either, so the error says to
-  bootstrap what they replicate. For a delete, the rollback puts the files back.
+  bootstrap what they replicate. For a delete, the rollback puts the files back; if the
+  daemon could not be reached to tell, the error says the outcome is unknown and where
+  to look.
 
 If the daemon refuses or is unreachable, the call raises a CmrootError and nothing is
 deleted, unless `fail_open=True`: then it is logged and counted in
@@ -67,14 +93,16 @@ Every other call is forwarded unchanged to the target filesystem.
 from __future__ import annotations
 
 import errno
+import io
 import logging
 import os
 import posixpath
 import re
+import stat
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -82,8 +110,11 @@ from glob import has_magic
 from typing import Any, ClassVar
 
 from fsspec import filesystem
+from fsspec.compression import compr
+from fsspec.core import get_compression
 from fsspec.spec import AbstractFileSystem
-from fsspec.utils import other_paths
+from fsspec.transaction import Transaction
+from fsspec.utils import isfilelike, other_paths, stringify_path
 
 try:  # fsspec >= 2025: a chained filesystem takes the inner URL's path ("cmroot::file://...")
     from fsspec.implementations.chained import ChainedFileSystem as _Base
@@ -92,7 +123,14 @@ except ImportError:  # pragma: no cover - older fsspec
 
 from cmroot import faults
 from cmroot.client import Client, PreparedTx
-from cmroot.exceptions import CmrootError, DaemonUnavailable, Forbidden, NotFound
+from cmroot.exceptions import (
+    BadRequest,
+    CmrootError,
+    Conflict,
+    DaemonUnavailable,
+    Forbidden,
+    NotFound,
+)
 
 log = logging.getLogger("cmroot.hooks.fsspec")
 
@@ -104,6 +142,11 @@ _ENTRY_PAGES, _ENTRY_PAGE = 3, 1000
 # Entries this much older (by our clock) than the prepare cannot be its commit's, whatever
 # the skew between the daemon's clock and ours.
 _CLOCK_SLACK = 60.0
+# Directory names Spark's and Hive's commit protocols write their job output under.
+_STAGING = (".spark-staging-", ".hive-staging")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# (device, inode) of each root and of each directory above one -> the root, as configured.
+_Guard = Mapping[tuple[int, int], str]
 
 
 class CmrootFileSystem(_Base):  # type: ignore[misc]
@@ -154,9 +197,13 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
 
     # -- paths ------------------------------------------------------------------------------
     @classmethod
-    def _strip_protocol(cls, path: str) -> str:
+    def _strip_protocol(cls, path: Any) -> Any:
+        """This filesystem's own prefixes off (`cmroot::`, `cmroot://`, and `file://`,
+        kept for callers that name this class's paths without an instance); the target's
+        are taken off by `_name`."""
         if isinstance(path, list):
             return [cls._strip_protocol(p) for p in path]
+        path = _text(path)
         for prefix in ("cmroot::", "cmroot://"):
             if path.startswith(prefix):
                 path = path[len(prefix) :]
@@ -165,79 +212,117 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         # "" (not "/") for a bare "cmroot://", so chaining takes the inner URL's path
         return path.rstrip("/") or ("/" if path else "")
 
+    def _name(self, path: Any) -> str:
+        """`path` as the target names it: the target's own `_strip_protocol` after ours, so
+        that the hook and the target agree on which file it is (the local one also strips
+        `file:`, `local://` and `local:`, expands `~` and makes the path absolute)."""
+        return str(self.fs._strip_protocol(self._strip_protocol(path)))
+
     def _norm(self, path: str) -> str:
-        """The path as the daemon names it: absolute local path, else the full URL."""
+        """A root's name as configured, normalised by name: an absolute local path, else
+        the full URL."""
         if self._local:
-            p = path[len("file://") :] if path.startswith("file://") else path
-            # normpath keeps a leading "//" (POSIX leaves its meaning open); Linux does not
-            return re.sub("^/+", "/", os.path.normpath(os.path.abspath(p)))
+            return _slash(os.path.normpath(self._name(path)))
         return str(self.fs.unstrip_protocol(self.fs._strip_protocol(path))).rstrip("/")
 
-    def _spellings(self, path: str, real: bool = True) -> set[str]:
-        """The names `path` goes by when compared with a root: its normalised name and, on
-        the local filesystem (with `real`), its real path."""
-        name = self._norm(path)
+    def _real(self, name: str, follow: bool = False) -> str:
+        """On the local filesystem, the path the kernel reaches for the target's `name`:
+        every symlink and `..` on the way resolved (physically: `link/..` is the parent of
+        the link's target), and with `follow` the last component too (a write goes through
+        a symlink; a delete or a rename acts on the link itself). Elsewhere, `name`."""
+        if not self._local:
+            return name
+        head, base = posixpath.split(name)
+        if follow or base in ("", ".", ".."):
+            return _slash(os.path.realpath(name))
+        return posixpath.join(_slash(os.path.realpath(head or "/")), base)
+
+    def _resolve(self, path: Any) -> str:
+        """The path a delete, or the source of a move, acts on."""
+        return self._real(self._name(path))
+
+    def _dest(self, path: Any, follow: bool = True) -> str:
+        """The path a write acts on (refused if it is a root or contains one): through a
+        symlink with `follow` (what open and copy do), the name itself without (what a
+        rename replaces). A symlink that itself lies under a root is not followed: cmroot
+        does not follow links under a root, and the daemon refuses to recycle one."""
+        dst = self._resolve(path)
+        if follow and self._local and os.path.islink(dst) and self._key(dst) is None:
+            dst = _slash(os.path.realpath(dst))
+        self._refuse_roots([dst])
+        return dst
+
+    def _real_roots(self) -> list[tuple[str, str]]:
+        """(root as configured, its real path) for each root."""
+        if not self._local:
+            return [(r, r) for r in self.roots]
+        return [(r, _slash(os.path.realpath(r))) for r in self.roots]
+
+    def _spellings(self, path: str) -> set[str]:
+        """The names `path` goes by when compared with a root: itself and, for a directory
+        (or a symlink to one) on the local filesystem, its real path."""
         if not self._local:
             # `..` and "//" resolved by name: an object store may keep them literally, but
             # refusing too much here is safe and refusing too little is not.
+            name = self._norm(path)
             scheme, sep, rest = name.partition("://")
             return {scheme + sep + posixpath.normpath("/" + rest)[1:]} if sep else {name}
-        return {name, os.path.realpath(name)} if real else {name}
+        # Only a directory can contain a root: one stat spares a realpath for each file.
+        return {path, _slash(os.path.realpath(path))} if os.path.isdir(path) else {path}
 
     def _refuse_roots(self, paths: Iterable[str]) -> None:
-        """Forbidden if any of `paths` is a warehouse root or a directory containing one."""
-        roots = [(r, s) for r in self.roots for s in self._spellings(r)]
+        """Forbidden if any of `paths` (resolved) is a warehouse root or contains one."""
+        roots = [
+            (r, s) for r, real in self._real_roots() for s in {*self._spellings(r), real}
+        ]
         for p in paths:
-            # Only a directory (or a symlink to one) can contain a root through a symlink:
-            # one stat spares a realpath for each of a listing's files.
-            real = self._local and os.path.isdir(p)
-            for name in self._spellings(p, real):
+            for name in self._spellings(p):
                 for root, spelling in roots:
                     if _under(spelling, name):
-                        raise Forbidden(
-                            "a warehouse root, or a directory that contains one, is never"
-                            " removed, moved or overwritten",
-                            f"{p} {'is' if name == spelling else 'contains'} the warehouse"
-                            f" root {root}: nothing was changed. Name the tables or files"
-                            f" under {root} instead (they are recycled); to retire the"
-                            " warehouse itself, take it out of warehouse_roots"
-                            " (store.warehouse_roots) first",
-                        )
+                        raise _refusal(p, root, "is" if name == spelling else "contains")
+
+    def _root_ids(self) -> _Guard:
+        """The device and inode of every root and of every directory above one, as they
+        are now: what the hook's own removals check each directory against."""
+        guard: dict[tuple[int, int], str] = {}
+        for root, real in self._real_roots():
+            p = real
+            while True:
+                try:
+                    st = os.stat(p)
+                except OSError:
+                    pass  # a root not created yet: its existing ancestors still count
+                else:
+                    guard.setdefault((st.st_dev, st.st_ino), root)
+                if p == "/":
+                    break
+                p = posixpath.dirname(p)
+        return guard
 
     def _key(self, path: str) -> str | None:
-        """The daemon's name for `path` if it lies under a warehouse root (Spark and Hive
-        staging directories excepted), else None. On the local filesystem a path reached
-        through a symlinked directory counts by its real path, named under its root."""
-        name = self._norm(path)
-        if any(
-            seg.startswith((".spark-staging-", ".hive-staging")) or seg == "_temporary"
-            for seg in name.split("/")
-        ):
-            return None
-        if any(_under(name, r) for r in self.roots):
-            return name
-        if not self._local:
-            return None
-        parent, _, base = name.rpartition("/")
-        # The parent's real path only: the file itself, if a symlink, is the daemon's to
-        # refuse, not ours to follow.
-        real = posixpath.join(os.path.realpath(parent or "/"), base)
-        for r in self.roots:
-            rr = os.path.realpath(r)
-            if _under(real, rr):
-                return r + real[len(rr.rstrip("/")) :]
+        """The daemon's name for the resolved `path` if it lies under a warehouse root (and
+        not in a Spark or Hive staging directory there), else None: the root's configured
+        name and the path below it."""
+        name = path if self._local else self._norm(path)
+        for root, real in self._real_roots():
+            if _under(name, real):
+                rel = name[len(real.rstrip("/")) :]
+                if any(seg.startswith(_STAGING) or seg == "_temporary" for seg in rel.split("/")):
+                    return None
+                return root.rstrip("/") + rel
         return None
 
     def protected(self, path: str) -> bool:
         """Whether `path` lies under a warehouse root (and is recycled before it goes)."""
-        return self._key(path) is not None
+        return self._key(self._resolve(path)) is not None
 
-    def _replaces(self, path: str) -> bool:
-        return self._key(path) is not None and bool(self.fs.isfile(path))
+    def _replaces(self, dst: str) -> bool:
+        """Whether writing the resolved `dst` replaces a file under a root."""
+        return self._key(dst) is not None and bool(self.fs.isfile(dst))
 
     def _recyclable(self, path: str) -> bool:
         """Under a root and there. Not a symlink: removing a link deletes no data, so the
-        target removes it (the daemon refuses symlinks)."""
+        hook removes it (the daemon refuses symlinks)."""
         return (
             self._key(path) is not None
             and bool(self.fs.lexists(path))
@@ -250,15 +335,30 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
             return os.path.isdir(path) and not os.path.islink(path)
         return bool(self.fs.isdir(path))
 
+    def _same(self, src: str, dst: str, same_fs: bool) -> bool:
+        """Whether copying `src` onto `dst` copies a file onto itself."""
+        if self._local:
+            try:
+                return os.path.samefile(src, dst)
+            except OSError:
+                return False
+        return same_fs and self._norm(src) == self._norm(dst)
+
     # -- talking to the daemon --------------------------------------------------------------
     def _daemon_failed(self, paths: list[str], e: CmrootError) -> None:
         """The daemon refused or could not be reached: raise, or with fail_open log and
         count it (the caller then goes on without a copy)."""
         if not self.fail_open:
+            detail = str(e) + (self._where_to_write() if isinstance(e, Forbidden) else "")
+            if isinstance(e, DaemonUnavailable):
+                detail += (
+                    "; if the daemon staged the files before the connection was lost, it"
+                    " puts them back when that prepared transaction's lease ends"
+                )
             raise CmrootError(
                 f"cmroot could not recycle {len(paths)} path(s) (first {paths[0]}); "
                 "nothing was deleted",
-                str(e) + (self._where_to_write() if isinstance(e, Forbidden) else ""),
+                detail,
             ) from e
         type(self).fail_open_count += 1
         log.warning(
@@ -266,31 +366,36 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
             extra={"paths": len(paths), "first": paths[0], "error": str(e)},
         )
 
-    def _recycle(self, paths: list[str]) -> bool:
-        """Recycle `paths` (all or nothing). False when failed open: delete as usual."""
-        try:
-            self.client.recycle([self._key(p) or self._norm(p) for p in paths], op=self.op)
-            return True
-        except CmrootError as e:
-            self._daemon_failed(paths, e)
-            return False
-
-    def _prepare(self, paths: list[str]) -> _Tx | None:
-        """Move the files at `paths` into the daemon's staging, unpublished. None when
-        failed open: the caller deletes them as usual."""
+    def _prepare(self, paths: list[str], join: _Tx | None = None) -> _Tx | None:
+        """Move the files at `paths` into the daemon's staging, unpublished (adding them to
+        the prepared transaction `join`). None when failed open: the caller deletes them
+        as usual. A part that cannot join a transaction is never failed open: the daemon
+        has rolled the whole transaction back."""
         started = time.time()
+        keys = [self._key(p) or self._norm(p) for p in paths]
         try:
-            tx = self.client.prepare([self._key(p) or self._norm(p) for p in paths], op=self.op)
+            prepared = self.client.prepare(keys, txid=join.txid if join else None, op=self.op)
         except CmrootError as e:
-            self._daemon_failed(paths, e)
-            return None
-        return _Tx(self.client, tx, started)
+            if join is None:
+                self._daemon_failed(paths, e)
+                return None
+            raise CmrootError(
+                f"cmroot could not recycle {len(paths)} path(s) (first {paths[0]}) as part"
+                f" of transaction {join.txid}",
+                f"{e}; the daemon rolls the whole transaction back: every file it recycled"
+                " is put back, and nothing of it is recorded",
+            ) from e
+        if join is None:
+            return _Tx(self.client, prepared, started)
+        join.joined(prepared)
+        return join
 
     def _commit(self, tx: _Tx, paths: list[str], replaced: bool) -> None:
         """Publish, retrying while the daemon cannot be reached (it may be restarting).
-        One that cannot be made leaves the change applied but not recorded: say so."""
+        If a try's answer was lost and the transaction is then gone, the entries say
+        whether that try committed. Raises a CmrootError saying what is left otherwise."""
         error: CmrootError | None = None
-        unknown = False  # whether an earlier try may have committed before its answer broke
+        unknown = False  # a try may have committed: its answer was lost
         for delay in (0.0, *self.retry_delays):
             time.sleep(delay)
             try:
@@ -307,6 +412,7 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
                 error = e
                 break
         assert error is not None
+        lost = isinstance(error, DaemonUnavailable)
         what = f"{len(paths)} file(s) (first {paths[0]})"
         if replaced:
             message = f"the overwrite of {what} was applied but not recorded"
@@ -319,10 +425,25 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
                 " but replicas replaying the event log do not see this overwrite;"
                 " bootstrap the tables they replicate from here"
             )
+            if lost:
+                after += (
+                    " (unless a commit the daemon could not answer went through: then the"
+                    " overwrite is recorded, as GET /v1/entries shows)"
+                )
             if self.fail_open:
                 type(self).fail_open_count += 1
                 log.warning(message, extra={"error": str(error), "txid": tx.txid})
                 return
+        elif lost:
+            message = f"the delete of {what} could not be recorded, or its answer was lost"
+            after = (
+                "the daemon could not be reached to confirm the commit. If it committed"
+                " before the connection was lost, the files are recycled with their"
+                f" event; if not, it puts them back when the lease of transaction {tx.txid}"
+                f" ends ({tx.until}), with no event. Resolve the paths (or read GET"
+                " /v1/entries) once the daemon is back to see which; paths outside the"
+                " warehouse roots named by the same call are deleted"
+            )
         else:
             message = f"the delete of {what} could not be recorded"
             after = (
@@ -333,7 +454,7 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
             )
         raise CmrootError(message, f"{error}; {after}") from error
 
-    def _abort(self, tx: _Tx, cause: BaseException) -> None:
+    def _abort(self, tx: _Tx, cause: BaseException | None) -> None:
         """Have every old file put back after `cause` (retried while the daemon cannot be
         reached); the caller re-raises `cause`. Raises a CmrootError saying what is left
         if the daemon could not be told."""
@@ -346,7 +467,7 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
                 error = e
                 continue
             except NotFound:
-                return  # its lease passed: the daemon rolled it back already
+                return  # its lease passed, or a part failed to join: rolled back already
             except CmrootError as e:
                 error = e
                 break
@@ -359,9 +480,9 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
             return
         raise CmrootError(
             "the call failed and the daemon could not be told to put the old files back",
-            f"{cause}; then {error}: the daemon puts them back when the lease of"
-            f" transaction {tx.txid} ends ({tx.until}); nothing is lost and no event is"
-            " recorded",
+            f"{cause or 'the transaction was discarded'}; then {error}: the daemon puts"
+            f" them back when the lease of transaction {tx.txid} ends ({tx.until});"
+            " nothing is lost and no event is recorded",
         ) from cause
 
     def _where_to_write(self) -> str:
@@ -380,48 +501,122 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         )
 
     # -- deleting ---------------------------------------------------------------------------
+    def _check_removable(self, paths: Iterable[str], recursive: bool) -> None:
+        """Raise what the local target would raise for any of `paths`, before anything is
+        deleted: the target checks each path only when it reaches it."""
+        if not self._local:
+            return
+        for p in paths:
+            if not os.path.lexists(p):
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), p)
+            if self._is_dir(p):
+                if not recursive:
+                    raise ValueError("Cannot delete directory, set recursive=True")
+                if p == os.getcwd():
+                    raise ValueError("Cannot delete current working directory")
+
     def _delete(
         self, keep: list[str], rest: list[str], recursive: bool, maxdepth: int | None
     ) -> None:
-        """Recycle `keep` and delete `rest` (outside the roots) as one step: one recycle
-        when there is nothing else to delete, else prepare, delete `rest`, commit."""
+        """Recycle `keep` and delete `rest` (not recycled) as one step: prepare, delete
+        `rest`, commit. Inside `fs.transaction` the prepare joins the transaction's, and
+        its end commits or aborts."""
         if not keep:
-            if rest:
-                self.fs.rm(rest, recursive=recursive, maxdepth=maxdepth)
+            self._remove(rest, recursive, maxdepth)
             return
-        if not rest:
-            if not self._recycle(keep):
-                self.fs.rm(keep, recursive=recursive, maxdepth=maxdepth)
-            return
-        tx = self._prepare(keep)
+        unit = self._unit()
+        if unit is not None and unit.broken is not None:
+            raise CmrootError(
+                "an earlier part of this transaction failed: nothing more is deleted",
+                str(unit.broken),
+            )
+        try:
+            tx = self._prepare(keep, join=unit.tx if unit else None)
+        except BaseException as e:
+            if unit is not None and unit.tx is not None:
+                unit.broken = e
+            raise
         if tx is None:
-            self.fs.rm(keep + rest, recursive=recursive, maxdepth=maxdepth)
+            self._remove(keep + rest, recursive, maxdepth)
             return
+        if unit is not None:
+            unit.tx = tx
         try:
             faults.point("fsspec.prepared")
-            self.fs.rm(rest, recursive=recursive, maxdepth=maxdepth)
+            self._remove(rest, recursive, maxdepth)
         except faults.Crash:
             raise  # an injected crash: nothing more happens, as if the process died
         except BaseException as e:
+            if unit is not None:
+                unit.broken = e
             self._abort(tx, e)
             raise
-        self._commit(tx, keep, replaced=False)
+        if unit is None:
+            self._commit(tx, keep, replaced=False)
+
+    def _remove(self, paths: list[str], recursive: bool, maxdepth: int | None) -> None:
+        """Delete `paths` without a copy, deepest first: on the local filesystem bound to
+        what was checked (see `_remove_local`), elsewhere by the target."""
+        if not paths:
+            return
+        if not self._local:
+            self.fs.rm(paths, recursive=recursive, maxdepth=maxdepth)
+            return
+        guard = self._root_ids()
+        for p in sorted(set(paths), reverse=True):
+            self._remove_local(p, recursive, guard)
+
+    def _remove_local(self, path: str, recursive: bool, guard: _Guard) -> None:
+        """Remove the resolved `path` as the local target would (a directory whole, a
+        symlink as a name), relative to its parent's descriptor opened without following
+        a symlink: the removal is bound to the directory that was checked. No directory
+        that is a root or holds one (by device and inode) is removed."""
+        parent, name = posixpath.split(path)
+        with _bound_dir(parent) as pfd:
+            if recursive and stat.S_ISDIR(os.lstat(name, dir_fd=pfd).st_mode):
+                _rmtree_at(pfd, name, path, guard)
+            else:  # rm checked for directories first: this is rm_file's os.remove
+                os.unlink(name, dir_fd=pfd)
+
+    def _rmdir_local(self, path: str, guard: _Guard) -> None:
+        parent, name = posixpath.split(path)
+        with _bound_dir(parent) as pfd:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
+            try:
+                _check_guard(fd, path, guard)
+            finally:
+                os.close(fd)
+            os.rmdir(name, dir_fd=pfd)
 
     def _prune(self, dirs: Iterable[str]) -> None:
         """Remove those of `dirs` left empty, deepest first; a non-empty one stays."""
+        guard = self._root_ids() if self._local else {}
         for d in sorted(dirs, key=lambda p: p.count("/"), reverse=True):
             try:
-                if not self.fs.ls(d, detail=False):
+                if self._local:
+                    self._rmdir_local(d, guard)
+                elif not self.fs.ls(d, detail=False):
                     self.fs.rmdir(d)
             except OSError as e:
                 log.debug("directory left in place", extra={"dir": d, "error": str(e)})
 
     # -- replacing --------------------------------------------------------------------------
+    def _unit(self) -> _Batch | None:
+        """The batch of the `fs.transaction` in progress, if any."""
+        t = self._transaction if self._intrans else None
+        return t.batch if isinstance(t, _CmrootTransaction) else None
+
+    def _batch(self) -> _Batch | None:
+        """Where a replacement joins: the call running in this thread, else the
+        transaction in progress."""
+        return self._calls.batch or self._unit()
+
     @contextmanager
     def _one_call(self) -> Iterator[None]:
         """Every file replaced inside (by put_file, cp_file, pipe_file, a move) joins one
-        transaction, swapped in when the outermost call returns; if the call raises,
-        everything it wrote under a root is taken back."""
+        transaction, swapped in when the outermost call returns (or, inside
+        `fs.transaction`, when it ends); if the call raises, everything it wrote under a
+        root is taken back."""
         if self._calls.batch is not None:
             yield
             return
@@ -433,26 +628,39 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
             raise
         finally:
             self._calls.batch = None
-        self._swap_in(batch)
+        unit = self._unit()
+        if unit is None:
+            self._swap_in(batch)
+            return
+        with unit.lock:
+            for s in batch.swaps.values():
+                self._add_swap(unit, s)
+            unit.created += batch.created
+
+    def _created_here(self, dst: str) -> bool:
+        """Whether this call (or transaction) created `dst`: its own output."""
+        return any(
+            p == dst for b in (self._calls.batch, self._unit()) if b for p, _ in b.created
+        )
 
     def _replace(
         self,
-        path: str,
+        dst: str,
         write: Callable[[str], None],
         take_back: Callable[[str], None] | None = None,
     ) -> None:
-        """Write `path` with `write(target)`: straight onto it unless that replaces a file
-        under a root, else beside it, then swapped in (with the rest of the call).
-        `take_back(where)` undoes a write (default: delete what it wrote)."""
-        self._refuse_roots([path])
+        """Write the resolved `dst` with `write(target)`: straight onto it unless that
+        replaces a file under a root, else beside it, then swapped in (with the rest of
+        the call). `take_back(where)` undoes a write (default: delete what it wrote)."""
         back = take_back or self._drop
-        if not self._replaces(path):
-            write(path)
-            batch = self._calls.batch
-            if batch is not None and self._key(path) is not None:
-                batch.created.append((path, back))
+        if not self._replaces(dst) or self._created_here(dst):
+            write(dst)
+            batch = self._batch()
+            if batch is not None and self._key(dst) is not None:
+                with batch.lock:
+                    batch.created.append((dst, back))
             return
-        swap = _Swap(path, _sibling(path), back)
+        swap = _Swap(dst, _sibling(dst), back)
         try:
             write(swap.tmp)
         except BaseException:
@@ -460,26 +668,51 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
             raise
         self._finish(swap)
 
+    def _copy_onto(
+        self, src: str, path: Any, copy: Callable[[str], None], src_is_dir: bool, same_fs: bool
+    ) -> None:
+        """`copy(dst)` a file `src` onto `path`, replacing through `_replace`. A directory
+        source (the target makes a directory, or fails on a file) or a file copied onto
+        itself (the target refuses) replaces nothing: the target answers as it would."""
+        dst = self._dest(path)
+        if src_is_dir or self._same(src, dst, same_fs):
+            copy(dst)
+            return
+        self._replace(dst, copy)
+
     def _finish(self, swap: _Swap) -> None:
-        batch = self._calls.batch
+        batch = self._batch()
         if batch is None:
-            self._swap_in(_Batch({swap.path: swap}))
-        else:
-            earlier = batch.swaps.pop(swap.path, None)
-            if earlier is not None:  # the same path written twice in one call: last wins
-                self._quietly(earlier.take_back, earlier.tmp)
-            batch.swaps[swap.path] = swap
+            self._swap_in(_Batch(swaps={swap.path: swap}))
+            return
+        with batch.lock:
+            self._add_swap(batch, swap)
+
+    def _add_swap(self, batch: _Batch, swap: _Swap) -> None:
+        earlier = batch.swaps.pop(swap.path, None)
+        if earlier is not None:  # the same path written twice in one unit: last wins
+            self._quietly(earlier.take_back, earlier.tmp)
+        batch.swaps[swap.path] = swap
 
     def _swap_in(self, batch: _Batch) -> None:
-        """Prepare the old files, move the new ones into place, commit; on any failure the
-        new files come back out, then the old ones are put back (abort)."""
+        """Prepare the old files (joining the transaction's, if an rm began one), move the
+        new ones into place, commit what the target deferred, then commit; on any failure
+        the new files come back out, then the old ones are put back (abort)."""
         swaps = list(batch.swaps.values())
-        if not swaps:
+        if batch.broken is not None:
+            self._rollback(batch, batch.broken)
+            raise CmrootError(
+                "the transaction was not committed: a part of it failed",
+                f"{batch.broken}; every path under the warehouse roots is as it was",
+            ) from batch.broken
+        if not swaps and batch.tx is None and not batch.deferred:
             return
+        tx = batch.tx
         try:
-            tx = self._prepare([s.path for s in swaps])
-        except BaseException:
-            self._undo(batch)
+            if swaps:
+                tx = self._prepare([s.path for s in swaps], join=tx)
+        except BaseException as e:
+            self._rollback(batch, e)
             raise
         moved: list[_Swap] = []
         try:
@@ -492,6 +725,8 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
                 faults.point("fsspec.moved_in")
                 if tx is not None:
                     tx.keep()
+            while batch.deferred:
+                batch.deferred.pop(0).commit()
         except faults.Crash:
             raise
         except BaseException as e:
@@ -504,25 +739,48 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
                 self._abort(tx, e)
             raise
         if tx is not None:
-            self._commit(tx, [s.path for s in swaps], replaced=True)
+            self._commit(tx, [s.path for s in swaps] or tx.paths, replaced=bool(swaps))
 
     def _move_in(self, s: _Swap) -> None:
         """The new file onto the path its old one left, never over anything that appeared
         there since (a racing writer's file stays, and this call fails)."""
+        if self._local:
+            # Linux renameat2(RENAME_NOREPLACE): no moment between a check and the rename.
+            from cmroot.store.confined import rename_noreplace
+
+            parent, name = posixpath.split(s.path)
+            try:
+                with _bound_dir(parent) as pfd:
+                    rename_noreplace(s.tmp, name, pfd)
+            except FileExistsError as e:
+                raise _retaken(s.path) from e
+            return
         if self.fs.lexists(s.path):
-            raise FileExistsError(
-                errno.EEXIST, "re-created during the overwrite: the new bytes stay out", s.path
-            )
+            raise _retaken(s.path)
         self.fs.mv(s.tmp, s.path)
 
     def _move_out(self, s: _Swap, where: str) -> None:
         self.fs.mv(where, s.tmp)
 
     def _undo(self, batch: _Batch) -> None:
+        """Take back what `batch` wrote: new files beside old ones, files it created under
+        a root, files the target deferred."""
         for s in batch.swaps.values():
             self._quietly(s.take_back, s.tmp)
         for path, back in reversed(batch.created):
             self._quietly(back, path)
+        while batch.deferred:
+            f = batch.deferred.pop()
+            try:
+                f.discard()
+            except Exception as e:
+                log.warning("could not discard a deferred file", extra={"error": str(e)})
+
+    def _rollback(self, batch: _Batch, cause: BaseException | None) -> None:
+        """`_undo`, and abort the transaction its rms prepared."""
+        self._undo(batch)
+        if batch.tx is not None:
+            self._abort(batch.tx, cause)
 
     def _quietly(self, fn: Callable[[str], None], path: str) -> None:
         """Clean-up after a failure: an error here is logged, never raised over the
@@ -557,27 +815,32 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         recursive: bool,
         maxdepth: int | None,
     ) -> tuple[list[tuple[str, str]], list[str]]:
-        """(source, destination) of every file a move of `path1` onto `path2` names, laid
-        out as fsspec's `copy` lays them out, and the destination directories."""
+        """(resolved source, destination) of every file a move of `path1` onto `path2`
+        names, laid out as fsspec's `copy` lays them out, and the destination
+        directories."""
+        one = isinstance(path1, str)
+        srcs = [self._resolve(p) for p in _listed(path1)]
         if isinstance(path1, list) and isinstance(path2, list):  # both named in full
-            paths1 = [self._strip_protocol(p) for p in path1]
-            paths2 = [self._strip_protocol(p) for p in path2]
+            paths1 = srcs
         else:
-            one = isinstance(path1, str)
-            srcs = (
-                self._strip_protocol(path1)
-                if isinstance(path1, str)
-                else [self._strip_protocol(p) for p in path1]
+            paths1 = self.fs.expand_path(
+                srcs[0] if one else srcs, recursive=recursive, maxdepth=maxdepth
             )
-            paths1 = self.fs.expand_path(srcs, recursive=recursive, maxdepth=maxdepth)
             if one and (not recursive or maxdepth is not None):
                 paths1 = [p for p in paths1 if not self.fs.isdir(p)]
-            dst = self._strip_protocol(str(path2))
-            into = str(path2).endswith("/") or bool(self.fs.isdir(dst))
-            magic = one and has_magic(str(path1))
-            exists = one and (
-                (magic and len(paths1) == 1)
-                or (not magic and into and not str(path1).endswith("/"))
+        if isinstance(path2, list):  # fsspec pairs the sources with the list, in order
+            paths2 = [self._name(p) for p in path2]
+            if len(paths2) != len(paths1):
+                raise BadRequest(
+                    "sources and destinations do not pair up",
+                    f"{len(paths1)} source file(s), {len(paths2)} destination(s)",
+                )
+        else:
+            dst = self._name(path2)
+            into = path2.endswith("/") or bool(self.fs.isdir(dst))
+            magic = isinstance(path1, str) and has_magic(path1)
+            exists = isinstance(path1, str) and (
+                (magic and len(paths1) == 1) or (not magic and into and not path1.endswith("/"))
             )
             paths2 = other_paths(paths1, dst, exists=exists, flatten=not one)
         pairs: list[tuple[str, str]] = []
@@ -590,20 +853,20 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         return pairs, dirs
 
     # -- destructive calls --------------------------------------------------------------------
-    def rm(
-        self, path: str | list[str], recursive: bool = False, maxdepth: int | None = None
-    ) -> None:
-        paths = [self._strip_protocol(p) for p in (path if isinstance(path, list) else [path])]
-        self._refuse_roots(paths)  # before anything is listed
+    def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
+        named = [self._resolve(p) for p in _listed(path)]
+        self._refuse_roots(named)  # before anything is listed
         pruned: list[str] = []
         if recursive and maxdepth is None:
             # A directory under a root goes whole: the daemon recycles what is in it.
-            found = self.fs.expand_path(paths, recursive=False)
+            found = self._resolved(self.fs.expand_path(named, recursive=False))
             self._refuse_roots(found)  # what a glob matched
             keep = [p for p in found if self._recyclable(p)]
         else:
             # Exactly what the target would delete, file by file.
-            found = self.fs.expand_path(paths, recursive=recursive, maxdepth=maxdepth)
+            found = self._resolved(
+                self.fs.expand_path(named, recursive=recursive, maxdepth=maxdepth)
+            )
             self._refuse_roots(found)
             under = [p for p in found if self._recyclable(p)]
             keep = [p for p in under if not self._is_dir(p)]
@@ -611,70 +874,164 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
                 # The target may remove a directory whole (the local one ignores maxdepth):
                 # one under a root goes only once emptied.
                 pruned = [p for p in under if self._is_dir(p)]
+        self._check_removable(found, recursive)
         taken = {*keep, *pruned}
         rest = [p for p in found if p not in taken and self.fs.lexists(p)]
         self._delete(keep, rest, recursive, maxdepth)
         self._prune(pruned)
 
-    def rm_file(self, path: str) -> None:
-        path = self._strip_protocol(path)
-        self._refuse_roots([path])
-        if self._recyclable(path) and not self._is_dir(path) and self._recycle([path]):
-            return
-        self.fs.rm_file(path)
+    def _resolved(self, paths: Iterable[str]) -> list[str]:
+        """A listing's paths resolved (a glob may have matched through a symlinked
+        directory), each parent once."""
+        if not self._local:
+            return list(paths)
+        parents: dict[str, str] = {}
+        out: list[str] = []
+        for p in paths:
+            head, base = posixpath.split(p)
+            if base in ("", ".", ".."):
+                out.append(self._real(p))
+                continue
+            real = parents.get(head)
+            if real is None:
+                real = parents[head] = _slash(os.path.realpath(head or "/"))
+            out.append(posixpath.join(real, base))
+        return sorted(set(out))
 
-    def _rm(self, path: str) -> None:
+    def rm_file(self, path: Any) -> None:
+        p = self._resolve(path)
+        self._refuse_roots([p])
+        if self._recyclable(p) and not self._is_dir(p):
+            self._delete([p], [], False, None)
+        elif self._local:
+            self._remove_local(p, False, self._root_ids())
+        else:
+            self.fs.rm_file(p)
+
+    def _rm(self, path: Any) -> None:
         self.rm_file(path)
 
-    def rmdir(self, path: str) -> None:
-        path = self._strip_protocol(path)
-        self._refuse_roots([path])
-        self.fs.rmdir(path)
+    def rmdir(self, path: Any) -> None:
+        p = self._resolve(path)
+        self._refuse_roots([p])
+        if self._local:
+            self._rmdir_local(p, self._root_ids())
+        else:
+            self.fs.rmdir(p)
+
+    def open(
+        self,
+        path: Any,
+        mode: str = "rb",
+        block_size: Any = None,
+        cache_options: Any = None,
+        compression: str | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if "r" in mode and "+" not in mode:  # reading changes nothing
+            return self.fs.open(
+                self._name(path),
+                mode,
+                block_size=block_size,
+                cache_options=cache_options,
+                compression=compression,
+                **kwargs,
+            )
+        kwargs.pop("autocommit", None)  # a unit is the call or `fs.transaction`, not a file
+        dst = self._dest(path)
+        binary = mode if "b" in mode else mode.replace("t", "") + "b"
+        text: dict[str, Any] = {
+            k: kwargs.pop(k) for k in ("encoding", "errors", "newline") if k in kwargs
+        }
+        unit = self._unit()
+        if "x" in mode or not self._replaces(dst) or self._created_here(dst):
+            if unit is None:
+                return self.fs.open(
+                    dst, mode, block_size=block_size, compression=compression, **kwargs, **text
+                )
+            if self._key(dst) is not None or "w" not in mode:
+                # Created under a root (taken back if the transaction fails), or written
+                # in place (the target defers only what it writes whole).
+                f = self.fs.open(dst, binary, block_size=block_size, **kwargs)
+                if self._key(dst) is not None:
+                    with unit.lock:
+                        unit.created.append((dst, self._drop))
+            else:  # elsewhere: deferred by the target until the transaction commits
+                f = self.fs.open(dst, binary, block_size=block_size, autocommit=False, **kwargs)
+                with unit.lock:
+                    unit.deferred.append(f)
+            return _layered(f, mode, compression, text, dst, None)
+        swap = _Swap(dst, _sibling(dst), self._drop)
+        try:
+            if "a" in mode or "r" in mode:  # the old bytes, changed, replace the file
+                self.fs.cp_file(dst, swap.tmp)
+            inner = self.fs.open(swap.tmp, binary, block_size=block_size, **kwargs)
+        except BaseException:
+            self._quietly(self._drop, swap.tmp)
+            raise
+        replacing = _ReplacingFile(self, swap, inner, binary)
+        return _layered(replacing, mode, compression, text, dst, replacing)
 
     def _open(
         self,
-        path: str,
+        path: Any,
         mode: str = "rb",
         block_size: Any = None,
         autocommit: bool = True,
         cache_options: Any = None,
         **kwargs: Any,
     ) -> Any:
-        path = self._strip_protocol(path)
-        if "r" in mode:
-            return self.fs.open(
-                path, mode, block_size=block_size, cache_options=cache_options, **kwargs
-            )
-        self._refuse_roots([path])
-        if "x" in mode or not self._replaces(path):
-            return self.fs.open(path, mode, block_size=block_size, **kwargs)
-        swap = _Swap(path, _sibling(path), self._drop)
-        try:
-            if "a" in mode:  # the old bytes, then the appended ones, replace the file
-                self.fs.cp_file(path, swap.tmp)
-            inner = self.fs.open(swap.tmp, mode, block_size=block_size, **kwargs)
-        except BaseException:
-            self._quietly(self._drop, swap.tmp)
-            raise
-        return _ReplacingFile(self, swap, inner)
+        return self.open(path, mode, block_size=block_size, cache_options=cache_options, **kwargs)
 
-    def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:
-        path = self._strip_protocol(path)
-        if kwargs.get("mode") == "create" and self.fs.exists(path):
-            raise FileExistsError(path)
-        self._replace(path, lambda p: self.fs.pipe_file(p, value, **kwargs))
+    def pipe_file(self, path: Any, value: bytes, **kwargs: Any) -> None:
+        dst = self._dest(path)
+        if kwargs.get("mode") == "create" and self.fs.exists(dst):
+            raise FileExistsError(dst)
+        self._replace(dst, lambda p: self.fs.pipe_file(p, value, **kwargs))
 
-    def put_file(self, lpath: str, rpath: str, **kwargs: Any) -> None:
-        rpath = self._strip_protocol(rpath)
-        self._replace(rpath, lambda p: self.fs.put_file(lpath, p, **kwargs))
+    def put_file(self, lpath: Any, rpath: Any, **kwargs: Any) -> None:
+        src = _text(lpath)
+        if kwargs.get("mode") == "create" and self.fs.exists(self._dest(rpath)):
+            raise FileExistsError(rpath)
+        self._copy_onto(
+            src,
+            rpath,
+            lambda p: self.fs.put_file(src, p, **kwargs),
+            src_is_dir=os.path.isdir(src),
+            same_fs=self._local,
+        )
 
-    def cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
-        p1, p2 = self._strip_protocol(path1), self._strip_protocol(path2)
-        self._replace(p2, lambda p: self.fs.cp_file(p1, p, **kwargs))
+    def cp_file(self, path1: Any, path2: Any, **kwargs: Any) -> None:
+        src = self._name(path1)
+        self._copy_onto(
+            src,
+            path2,
+            lambda p: self.fs.cp_file(src, p, **kwargs),
+            src_is_dir=bool(self.fs.isdir(src)),
+            same_fs=True,
+        )
+
+    def get_file(self, rpath: Any, lpath: Any, **kwargs: Any) -> None:
+        src = self._name(rpath)
+        if not self._local or isfilelike(lpath):
+            # A remote target's "local" path is not one of its paths: no root is there.
+            self.fs.get_file(src, lpath, **kwargs)
+            return
+        self._copy_onto(
+            src,
+            lpath,
+            lambda p: self.fs.get_file(src, p, **kwargs),
+            src_is_dir=bool(self.fs.isdir(src)),
+            same_fs=True,
+        )
 
     def put(self, *args: Any, **kwargs: Any) -> None:
         with self._one_call():
             super().put(*args, **kwargs)
+
+    def get(self, *args: Any, **kwargs: Any) -> None:
+        with self._one_call():
+            super().get(*args, **kwargs)
 
     def copy(self, *args: Any, **kwargs: Any) -> None:
         with self._one_call():
@@ -686,17 +1043,18 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
 
     def mv(
         self,
-        path1: str | list[str],
-        path2: str | list[str],
+        path1: Any,
+        path2: Any,
         recursive: bool = False,
         maxdepth: int | None = None,
         **kwargs: Any,
     ) -> None:
-        srcs = [self._strip_protocol(p) for p in (path1 if isinstance(path1, list) else [path1])]
-        if isinstance(path2, str) and srcs == [self._strip_protocol(path2)]:
+        path1, path2 = _texts(path1), _texts(path2)
+        srcs = [self._resolve(p) for p in _listed(path1)]
+        if isinstance(path2, str) and srcs == [self._resolve(path2)]:
             return
         self._refuse_roots(srcs)
-        found = self.fs.expand_path(srcs, recursive=False)
+        found = self._resolved(self.fs.expand_path(srcs, recursive=False))
         self._refuse_roots(found)
         if (
             self._local
@@ -705,13 +1063,7 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
             and found == srcs
             and self._is_dir(srcs[0])
         ):
-            # One rename, as the target makes it: shutil.move puts a directory into an
-            # existing one under its own name and refuses a name already taken, so it
-            # never replaces a file.
-            dst = self._strip_protocol(path2)
-            into = posixpath.join(dst, posixpath.basename(srcs[0]))
-            self._refuse_roots([into if self.fs.isdir(dst) else dst])
-            self.fs.mv(srcs[0], dst, recursive=recursive, maxdepth=maxdepth, **kwargs)
+            self._move_dir_local(srcs[0], self._resolve(path2))
             return
         pairs, dirs = self._pairs(path1, path2, recursive, maxdepth)
         # What a moved directory leaves behind, removed once empty (as mv leaves none).
@@ -726,116 +1078,138 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
             for d in dirs:  # never destructive: an existing one (a root, say) is kept as is
                 self.fs.makedirs(d, exist_ok=True)
             for src, to in pairs:
-                self._replace(to, partial(self.fs.mv, src), partial(self._give_back, src))
+                self._replace(
+                    self._dest(to, follow=False),
+                    partial(self.fs.mv, src),
+                    partial(self._give_back, src),
+                )
         self._prune(emptied)
 
-    def touch(self, path: str, truncate: bool = True, **kwargs: Any) -> None:
-        path = self._strip_protocol(path)
+    def _move_dir_local(self, src: str, dst: str) -> None:
+        """One rename of a directory, as the local target makes it (shutil.move: into an
+        existing directory under its own name, never over a name already taken there, so
+        it never replaces a file), bound to the checked directories: both parents opened
+        without following a symlink, the source checked against the roots by inode."""
+        real_dst = dst
+        if os.path.isdir(dst):
+            real_dst = posixpath.join(_slash(os.path.realpath(dst)), posixpath.basename(src))
+        self._refuse_roots([real_dst])  # moving into a root, or into its parent, is fine
+        if real_dst != dst and os.path.lexists(real_dst):
+                raise FileExistsError(errno.EEXIST, "Destination path already exists", real_dst)
+        guard = self._root_ids()
+        (sparent, sname), (dparent, dname) = posixpath.split(src), posixpath.split(real_dst)
+        with _bound_dir(sparent) as sfd, _bound_dir(dparent) as dfd:
+            fd = os.open(sname, _DIR_FLAGS, dir_fd=sfd)
+            try:
+                _check_guard(fd, src, guard)
+            finally:
+                os.close(fd)
+            try:
+                os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+                return
+            except OSError as e:
+                if e.errno != errno.EXDEV:
+                    raise
+        # Another filesystem: the target copies the tree, then removes it by name.
+        self.fs.mv(src, real_dst)
+
+    def touch(self, path: Any, truncate: bool = True, **kwargs: Any) -> None:
         if truncate:
-            self._replace(path, lambda p: self.fs.touch(p, truncate=True, **kwargs))
+            self._replace(
+                self._dest(path), lambda p: self.fs.touch(p, truncate=True, **kwargs)
+            )
             return
-        self.fs.touch(path, truncate=truncate, **kwargs)
+        self.fs.touch(self._name(path), truncate=truncate, **kwargs)
 
     # -- everything else: forwarded --------------------------------------------------------------
-    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
-        return self.fs.ls(self._strip_protocol(path), detail=detail, **kwargs)
+    def ls(self, path: Any, detail: bool = True, **kwargs: Any) -> Any:
+        return self.fs.ls(self._name(path), detail=detail, **kwargs)
 
-    def info(self, path: str, **kwargs: Any) -> Any:
-        return self.fs.info(self._strip_protocol(path), **kwargs)
+    def info(self, path: Any, **kwargs: Any) -> Any:
+        return self.fs.info(self._name(path), **kwargs)
 
-    def exists(self, path: str, **kwargs: Any) -> bool:
-        return bool(self.fs.exists(self._strip_protocol(path), **kwargs))
+    def exists(self, path: Any, **kwargs: Any) -> bool:
+        return bool(self.fs.exists(self._name(path), **kwargs))
 
-    def isdir(self, path: str) -> bool:
-        return bool(self.fs.isdir(self._strip_protocol(path)))
+    def isdir(self, path: Any) -> bool:
+        return bool(self.fs.isdir(self._name(path)))
 
-    def isfile(self, path: str) -> bool:
-        return bool(self.fs.isfile(self._strip_protocol(path)))
+    def isfile(self, path: Any) -> bool:
+        return bool(self.fs.isfile(self._name(path)))
 
-    def lexists(self, path: str, **kwargs: Any) -> bool:
-        return bool(self.fs.lexists(self._strip_protocol(path), **kwargs))
+    def lexists(self, path: Any, **kwargs: Any) -> bool:
+        return bool(self.fs.lexists(self._name(path), **kwargs))
 
-    def size(self, path: str) -> Any:
-        return self.fs.size(self._strip_protocol(path))
+    def size(self, path: Any) -> Any:
+        return self.fs.size(self._name(path))
 
-    def checksum(self, path: str) -> Any:
-        return self.fs.checksum(self._strip_protocol(path))
+    def checksum(self, path: Any) -> Any:
+        return self.fs.checksum(self._name(path))
 
-    def ukey(self, path: str) -> Any:
-        return self.fs.ukey(self._strip_protocol(path))
+    def ukey(self, path: Any) -> Any:
+        return self.fs.ukey(self._name(path))
 
-    def modified(self, path: str) -> Any:
-        return self.fs.modified(self._strip_protocol(path))
+    def modified(self, path: Any) -> Any:
+        return self.fs.modified(self._name(path))
 
-    def created(self, path: str) -> Any:
-        return self.fs.created(self._strip_protocol(path))
+    def created(self, path: Any) -> Any:
+        return self.fs.created(self._name(path))
 
     def cat_file(
-        self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any
+        self, path: Any, start: int | None = None, end: int | None = None, **kwargs: Any
     ) -> Any:
-        return self.fs.cat_file(self._strip_protocol(path), start=start, end=end, **kwargs)
-
-    def get_file(self, rpath: str, lpath: str, **kwargs: Any) -> None:
-        self.fs.get_file(self._strip_protocol(rpath), lpath, **kwargs)
+        return self.fs.cat_file(self._name(path), start=start, end=end, **kwargs)
 
     def find(
         self,
-        path: str,
+        path: Any,
         maxdepth: int | None = None,
         withdirs: bool = False,
         detail: bool = False,
         **kwargs: Any,
     ) -> Any:
         return self.fs.find(
-            self._strip_protocol(path),
-            maxdepth=maxdepth,
-            withdirs=withdirs,
-            detail=detail,
-            **kwargs,
+            self._name(path), maxdepth=maxdepth, withdirs=withdirs, detail=detail, **kwargs
         )
 
     def walk(
         self,
-        path: str,
+        path: Any,
         maxdepth: int | None = None,
         topdown: bool = True,
         on_error: str = "omit",
         **kwargs: Any,
     ) -> Any:
         return self.fs.walk(
-            self._strip_protocol(path),
-            maxdepth=maxdepth,
-            topdown=topdown,
-            on_error=on_error,
-            **kwargs,
+            self._name(path), maxdepth=maxdepth, topdown=topdown, on_error=on_error, **kwargs
         )
 
-    def glob(self, path: str, maxdepth: int | None = None, **kwargs: Any) -> Any:
-        return self.fs.glob(self._strip_protocol(path), maxdepth=maxdepth, **kwargs)
+    def glob(self, path: Any, maxdepth: int | None = None, **kwargs: Any) -> Any:
+        return self.fs.glob(self._name(path), maxdepth=maxdepth, **kwargs)
 
     def du(
         self,
-        path: str,
+        path: Any,
         total: bool = True,
         maxdepth: int | None = None,
         withdirs: bool = False,
         **kwargs: Any,
     ) -> Any:
         return self.fs.du(
-            self._strip_protocol(path), total=total, maxdepth=maxdepth, withdirs=withdirs, **kwargs
+            self._name(path), total=total, maxdepth=maxdepth, withdirs=withdirs, **kwargs
         )
 
-    def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
-        self.fs.mkdir(self._strip_protocol(path), create_parents=create_parents, **kwargs)
+    def mkdir(self, path: Any, create_parents: bool = True, **kwargs: Any) -> None:
+        self.fs.mkdir(self._name(path), create_parents=create_parents, **kwargs)
 
-    def makedirs(self, path: str, exist_ok: bool = False) -> None:
-        self.fs.makedirs(self._strip_protocol(path), exist_ok=exist_ok)
+    def makedirs(self, path: Any, exist_ok: bool = False) -> None:
+        self.fs.makedirs(self._name(path), exist_ok=exist_ok)
 
-    def sign(self, path: str, expiration: int = 100, **kwargs: Any) -> Any:
-        return self.fs.sign(self._strip_protocol(path), expiration=expiration, **kwargs)
+    def sign(self, path: Any, expiration: int = 100, **kwargs: Any) -> Any:
+        return self.fs.sign(self._name(path), expiration=expiration, **kwargs)
 
-    def invalidate_cache(self, path: str | None = None) -> None:
-        self.fs.invalidate_cache(None if path is None else self._strip_protocol(path))
+    def invalidate_cache(self, path: Any = None) -> None:
+        self.fs.invalidate_cache(None if path is None else self._name(path))
 
 
 @dataclass
@@ -850,17 +1224,57 @@ class _Swap:
 
 @dataclass
 class _Batch:
-    """What one call has written under the roots so far: the replacements waiting to be
-    swapped in, and the files it created (with how to take each back)."""
+    """What one unit (a call, or `fs.transaction`) has done under the roots so far: the
+    replacements waiting to be swapped in, the files it created (with how to take each
+    back), the files the target deferred, and the transaction its rms prepared (with the
+    failure that broke it, if one did)."""
 
     swaps: dict[str, _Swap] = field(default_factory=dict)
     created: list[tuple[str, Callable[[str], None]]] = field(default_factory=list)
+    deferred: list[Any] = field(default_factory=list)
+    tx: _Tx | None = None
+    broken: BaseException | None = None
+    # A transaction's batch is shared by the threads writing inside it.
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class _Calls(threading.local):
     """The batch of the call running in this thread, if any."""
 
     batch: _Batch | None = None
+
+
+class _CmrootTransaction(Transaction):  # type: ignore[misc]
+    """fsspec's `fs.transaction` on the hook: one unit (see the module docstring). Its
+    end swaps in every replacement made inside it, with the deletes its rms prepared, in
+    one two-phase transaction; a block that raises takes everything back."""
+
+    fs: Any  # the filesystem, until the transaction completes (then None, as fsspec's)
+
+    def __init__(self, fs: CmrootFileSystem, **kwargs: Any) -> None:
+        super().__init__(fs, **kwargs)
+        self.batch = _Batch()
+
+    def start(self) -> None:
+        super().start()
+        self.batch = _Batch()
+
+    def complete(self, commit: bool = True) -> None:
+        fs: CmrootFileSystem = self.fs
+        batch = self.batch
+        self.batch = _Batch()
+        try:
+            if commit:
+                fs._swap_in(batch)
+            else:
+                fs._rollback(batch, None)
+        finally:
+            fs._intrans = False
+            fs._transaction = None
+            self.fs = None
+
+
+CmrootFileSystem.transaction_type = _CmrootTransaction
 
 
 class _Tx:
@@ -870,8 +1284,17 @@ class _Tx:
         self.client = client
         self.txid = prepared.txid
         self.files = prepared.files
-        self.started = started  # our clock, just before the prepare
+        self.started = started  # our clock, just before the (first) prepare
         self._schedule(prepared.expires)
+
+    def joined(self, prepared: PreparedTx) -> None:
+        """More files were prepared into this transaction: it now holds all of them."""
+        self.files = prepared.files
+        self._schedule(prepared.expires)
+
+    @property
+    def paths(self) -> list[str]:
+        return [f.path for f in self.files]
 
     def _schedule(self, expires: float) -> None:
         self.expires = expires
@@ -925,10 +1348,11 @@ class _ReplacingFile:
     """A file being written beside its target; on a clean close it is swapped in (see
     `CmrootFileSystem._swap_in`), on an error (or `discard()`) it is dropped."""
 
-    def __init__(self, owner: CmrootFileSystem, swap: _Swap, inner: Any) -> None:
-        self._owner, self._swap, self._inner = owner, swap, inner
+    def __init__(self, owner: CmrootFileSystem, swap: _Swap, inner: Any, mode: str) -> None:
+        self._owner, self._swap, self._inner, self._mode = owner, swap, inner, mode
         self.path = swap.path
         self._done = False
+        self._abandoned = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -940,7 +1364,7 @@ class _ReplacingFile:
         return True
 
     def readable(self) -> bool:
-        return False
+        return "+" in self._mode
 
     def seekable(self) -> bool:
         return bool(self._inner.seekable())
@@ -952,6 +1376,9 @@ class _ReplacingFile:
     def close(self) -> None:
         if self._done:
             return
+        if self._abandoned:
+            self.discard()
+            return
         self._done = True
         try:
             self._inner.close()
@@ -959,6 +1386,11 @@ class _ReplacingFile:
             self._owner._quietly(self._owner._drop, self._swap.tmp)
             raise
         self._owner._finish(self._swap)
+
+    def abandon(self) -> None:
+        """From now on, closing drops the new bytes (the layers above are being closed
+        after a failure)."""
+        self._abandoned = True
 
     def discard(self) -> None:
         if not self._done:
@@ -974,6 +1406,160 @@ class _ReplacingFile:
             self.close()
         else:
             self.discard()
+
+
+class _Layers:
+    """A compression codec and/or text layer over a replacing file. Closing flushes the
+    layers (a codec never closes the file it wraps, so its last bytes would otherwise
+    never reach it), then swaps the file in; a `with` block that raises drops the new
+    bytes instead (TextIOWrapper's own exit closes, which would publish half a file)."""
+
+    def __init__(self, outer: Any, replacing: _ReplacingFile) -> None:
+        self._outer, self._replacing = outer, replacing
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._outer, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._outer)
+
+    def close(self) -> None:
+        try:
+            self._outer.close()
+        except BaseException:
+            self._replacing.discard()
+            raise
+        self._replacing.close()
+
+    def discard(self) -> None:
+        self._replacing.abandon()
+        try:
+            self._outer.close()  # the layers' last bytes go to the file being dropped
+        except Exception as e:
+            log.debug("closing a discarded file's layers failed", extra={"error": str(e)})
+        self._replacing.discard()
+
+    def __enter__(self) -> _Layers:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.discard()
+
+
+def _layered(
+    f: Any,
+    mode: str,
+    compression: str | None,
+    text: dict[str, Any],
+    path: str,
+    replacing: _ReplacingFile | None,
+) -> Any:
+    """`f` with the codec and text layers fsspec's `open` would add, guarded by `_Layers`
+    when `f` replaces a file."""
+    outer = f
+    if compression is not None:
+        outer = compr[get_compression(path, compression)](outer, mode=mode[0])
+    if "b" not in mode:
+        outer = io.TextIOWrapper(outer, **text)
+    return outer if replacing is None or outer is f else _Layers(outer, replacing)
+
+
+@contextmanager
+def _bound_dir(path: str) -> Iterator[int]:
+    """A descriptor of the directory at the resolved `path`, opened component by component
+    from `/` without following any symlink, so what is done relative to it happens in the
+    directory that was checked. One on the way swapped for a symlink since the path was
+    resolved: Conflict, nothing done."""
+    # Imported here: the store package is heavy (index, SQLite) and only a local target
+    # needs this module of it.
+    from cmroot.store import confined
+
+    with confined.directory("/") as top:
+        try:
+            fd = confined.open_dir_beneath(top, path.lstrip("/"))
+        except OSError as e:
+            if not confined.is_escape(e):
+                raise
+            raise Conflict(
+                "a directory changed while cmroot worked on it",
+                f"{path}: a directory on the way is now a symlink (it was not when the path"
+                " was resolved); nothing was done there: run the call again",
+            ) from e
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _check_guard(fd: int, path: str, guard: _Guard) -> None:
+    """Forbidden if the directory open at `fd` is a root or holds one."""
+    st = os.fstat(fd)
+    root = guard.get((st.st_dev, st.st_ino))
+    if root is not None:
+        raise _refusal(path, root, "is" if path == root else "contains")
+
+
+def _rmtree_at(dir_fd: int, name: str, path: str, guard: _Guard) -> None:
+    """Remove the directory `name` below `dir_fd` and everything in it, each directory
+    opened without following a symlink (a symlink is removed as a name) and checked
+    against the roots by inode before anything in it goes."""
+    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    try:
+        _check_guard(fd, path, guard)
+        with os.scandir(fd) as it:
+            entries = list(it)
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                _rmtree_at(fd, e.name, f"{path}/{e.name}", guard)
+            else:
+                os.unlink(e.name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)
+
+
+def _refusal(path: str, root: str, how: str) -> Forbidden:
+    return Forbidden(
+        "a warehouse root, or a directory that contains one, is never"
+        " removed, moved or overwritten",
+        f"{path} {how} the warehouse root {root}: nothing was changed. Name the tables or"
+        f" files under {root} instead (they are recycled); to retire the warehouse itself,"
+        " take it out of warehouse_roots (store.warehouse_roots) first",
+    )
+
+
+def _retaken(path: str) -> FileExistsError:
+    return FileExistsError(
+        errno.EEXIST, "re-created during the overwrite: the new bytes stay out", path
+    )
+
+
+def _text(path: Any) -> str:
+    """A path argument as a str (os.PathLike accepted, as fsspec does); BadRequest for
+    anything else (None, a number, bytes)."""
+    path = stringify_path(path)
+    if not isinstance(path, str):
+        raise BadRequest(
+            "not a path", f"{path!r} ({type(path).__name__}): give a str or an os.PathLike"
+        )
+    return path
+
+
+def _texts(path: Any) -> str | list[str]:
+    """A path argument, or a list of them, as str."""
+    return [_text(p) for p in path] if isinstance(path, (list, tuple)) else _text(path)
+
+
+def _listed(path: Any) -> list[Any]:
+    return list(path) if isinstance(path, (list, tuple)) else [path]
+
+
+def _slash(path: str) -> str:
+    """POSIX leaves a leading "//" open (normpath and realpath keep it); Linux reads "/"."""
+    return re.sub("^/+", "/", path)
 
 
 def _under(path: str, top: str) -> bool:
