@@ -68,9 +68,9 @@ What is protected, and how:
   server-side copy, which can take long for big objects, so between move-ins the lease is
   renewed whenever a third of it has passed.
 - **A commit that fails** after the new files are in place is retried (`retry_delays`:
-  the daemon may be restarting); a retry that finds the transaction gone looks in the
-  entries for whether an earlier try committed before its answer was lost. If the commit
-  cannot be made, the call raises a CmrootError saying the change was applied but not
+  the daemon may be restarting; a commit whose answer was lost is answered with its event
+  when sent again, and a 404 means the lease passed and the daemon rolled it back). If
+  the commit cannot be made, the call raises a CmrootError saying the change was applied but not
   recorded. The new files stay (taking them back could leave neither file, were the
   commit in fact made). The daemon rolls the prepared transaction back when its lease
   (`store.prepare_lease`) ends; as each path now holds its new file, and a rollback never
@@ -137,11 +137,6 @@ log = logging.getLogger("cmroot.hooks.fsspec")
 # Pauses before each retry of a commit or an abort the daemon did not answer: together
 # longer than a daemon restart takes.
 RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0)
-# A lost commit answer is looked up among this many newest entries at most.
-_ENTRY_PAGES, _ENTRY_PAGE = 3, 1000
-# Entries this much older (by our clock) than the prepare cannot be its commit's, whatever
-# the skew between the daemon's clock and ours.
-_CLOCK_SLACK = 60.0
 # Directory names Spark's and Hive's commit protocols write their job output under.
 _STAGING = (".spark-staging-", ".hive-staging")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -371,7 +366,6 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         the prepared transaction `join`). None when failed open: the caller deletes them
         as usual. A part that cannot join a transaction is never failed open: the daemon
         has rolled the whole transaction back."""
-        started = time.time()
         keys = [self._key(p) or self._norm(p) for p in paths]
         try:
             prepared = self.client.prepare(keys, txid=join.txid if join else None, op=self.op)
@@ -386,29 +380,24 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
                 " is put back, and nothing of it is recorded",
             ) from e
         if join is None:
-            return _Tx(self.client, prepared, started)
+            return _Tx(self.client, prepared)
         join.joined(prepared)
         return join
 
     def _commit(self, tx: _Tx, paths: list[str], replaced: bool) -> None:
-        """Publish, retrying while the daemon cannot be reached (it may be restarting).
-        If a try's answer was lost and the transaction is then gone, the entries say
-        whether that try committed. Raises a CmrootError saying what is left otherwise."""
+        """Publish, retrying while the daemon cannot be reached (it may be restarting). A
+        commit is safe to send again: one that went through before its answer was lost is
+        answered with its event, and a 404 means the transaction was rolled back. Raises a
+        CmrootError saying what is left if no try commits."""
         error: CmrootError | None = None
-        unknown = False  # a try may have committed: its answer was lost
         for delay in (0.0, *self.retry_delays):
             time.sleep(delay)
             try:
                 self.client.commit(tx.txid)
                 return
             except DaemonUnavailable as e:
-                error, unknown = e, True
-            except NotFound as e:
-                if unknown and tx.recorded():
-                    return
                 error = e
-                break
-            except CmrootError as e:  # the daemon's commit failed: it rolled back
+            except CmrootError as e:  # the daemon's commit failed, or its lease passed
                 error = e
                 break
         assert error is not None
@@ -1280,16 +1269,16 @@ CmrootFileSystem.transaction_type = _CmrootTransaction
 class _Tx:
     """A prepared transaction as the hook holds it."""
 
-    def __init__(self, client: Client, prepared: PreparedTx, started: float) -> None:
+    def __init__(self, client: Client, prepared: PreparedTx) -> None:
         self.client = client
         self.txid = prepared.txid
         self.files = prepared.files
-        self.started = started  # our clock, just before the (first) prepare
         self._schedule(prepared.expires)
 
     def joined(self, prepared: PreparedTx) -> None:
-        """More files were prepared into this transaction: it now holds all of them."""
-        self.files = prepared.files
+        """Another part was prepared into this transaction (the answer names that part's
+        files only)."""
+        self.files = [*self.files, *prepared.files]
         self._schedule(prepared.expires)
 
     @property
@@ -1318,30 +1307,6 @@ class _Tx:
                 "could not renew a prepared recycle's lease",
                 extra={"txid": self.txid, "error": str(e)},
             )
-
-    def recorded(self) -> bool:
-        """Whether a commit whose answer was lost went through: the newest entry of the
-        transaction's first file since the prepare carries an event (a rollback would
-        have left a displaced entry, without one)."""
-        first = self.files[0]
-        cursor = None
-        try:
-            for _ in range(_ENTRY_PAGES):
-                page = self.client.entries(limit=_ENTRY_PAGE, cursor=cursor)
-                for e in page["entries"]:
-                    if e["recycled"] < self.started - _CLOCK_SLACK:
-                        return False
-                    if (e["path"], e["checksum"]) == (first.path, first.checksum):
-                        return e.get("event_id") is not None
-                cursor = page.get("cursor")
-                if cursor is None:
-                    return False
-        except CmrootError as e:
-            log.warning(
-                "could not tell whether a commit went through",
-                extra={"txid": self.txid, "error": str(e)},
-            )
-        return False
 
 
 class _ReplacingFile:
@@ -1481,7 +1446,9 @@ def _bound_dir(path: str) -> Iterator[int]:
         try:
             fd = confined.open_dir_beneath(top, path.lstrip("/"))
         except OSError as e:
-            if not confined.is_escape(e):
+            # ELOOP/EXDEV for a symlink on the way; ENOTDIR when it is the last component
+            # (O_DIRECTORY | O_NOFOLLOW): either way the path resolves elsewhere now.
+            if not confined.is_escape(e) and _slash(os.path.realpath(path)) == path:
                 raise
             raise Conflict(
                 "a directory changed while cmroot worked on it",
