@@ -14,6 +14,8 @@ import errno
 import json
 import logging
 import os
+import signal
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -206,6 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args.token = _token_of(args)
         return _VERBS[args.verb](args)
+    except BrokenPipeError:
+        # stdout's reader is gone (`cmroot ls | head -1`): nothing is wrong, and nobody
+        # reads an error either. Exit as a program killed by SIGPIPE does; stdout goes to
+        # /dev/null so that its flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except CmrootError as e:
         _fail(args, e.message, e.detail, type(e).__name__)
         return 2 if e.status < 500 else 1
@@ -247,16 +255,27 @@ def _token_of(args: argparse.Namespace) -> str | None:
         return str(args.token)
     if args.token_file:
         try:
-            with open(args.token_file) as f:
-                token = f.read().strip()
+            with open(args.token_file, "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                token = f.read().decode().strip()
         except OSError as e:
             raise ConfigError(
                 f"cannot read --token-file {args.token_file}", f"{e.strerror}: fix the path"
+            ) from None
+        except UnicodeDecodeError:
+            raise ConfigError(
+                f"--token-file {args.token_file} is not text",
+                "write the token from `cmroot token create` into it, alone",
             ) from None
         if not token:
             raise ConfigError(
                 f"--token-file {args.token_file} is empty",
                 "write the token from `cmroot token create` into it",
+            )
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            log.warning(
+                f"--token-file {args.token_file} can be read by other users: "
+                f"chmod 600 {args.token_file}"
             )
         return token
     return os.environ.get("CMROOT_TOKEN") or None
@@ -442,13 +461,23 @@ def _pair(text: str) -> dict[str, str]:
 
 
 def _read_pairs(source: str) -> list[dict[str, str]]:
-    if source == "-":
-        text = sys.stdin.read()
-    else:
-        with open(source) as f:
-            text = f.read()
+    try:
+        if source == "-":
+            text = sys.stdin.read()
+        else:
+            with open(source, encoding="utf-8") as f:
+                text = f.read()
+    except UnicodeDecodeError:
+        raise BadRequest(
+            "bad --from-file", "not UTF-8 text: write JSON or 'PATH CHECKSUM' lines"
+        ) from None
     if text.lstrip().startswith("["):
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise BadRequest(
+                "bad --from-file", f"not valid JSON ({e}): write a list of {{path, checksum}}"
+            ) from None
         if not isinstance(data, list):
             raise BadRequest("bad --from-file", "the JSON must be a list of {path, checksum}")
         return data
@@ -466,9 +495,15 @@ def _get(args: argparse.Namespace) -> int:
     with _backend(args, readonly=True) as b:
         if args.output:
             tmp = args.output + ".cmroot-part"
-            with open(tmp, "wb") as out:
-                size = b.get(args.path, args.checksum, out)
-            os.replace(tmp, args.output)
+            try:
+                with open(tmp, "wb") as out:
+                    size = b.get(args.path, args.checksum, out)
+                os.replace(tmp, args.output)
+            except BaseException:
+                # Half a file (or bytes that failed their checksum) is not left behind.
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
         else:
             size = b.get(args.path, args.checksum, sys.stdout.buffer)
             sys.stdout.buffer.flush()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import select
 import socket
 import ssl
 import threading
@@ -26,6 +27,10 @@ from cmroot.exceptions import (
     for_status,
 )
 
+# The daemon closes a kept-alive connection after 15 s of quiet (KEEPALIVE in
+# cmroot.server.main); one idle this long is not reused, so that a request is never
+# written into a connection the daemon is closing at that instant.
+POOL_IDLE = 10.0
 # The daemon's limit on pairs per resolve (cmroot.store.resolve.MAX_PAIRS, not imported:
 # executors load this module without the store).
 MAX_RESOLVE = 100_000
@@ -117,7 +122,12 @@ class Client:
         socket: str | None = None,
         busy_wait: float = 30.0,
     ) -> None:
-        parts = urlsplit(url)
+        fix = "write http://host:port or unix:///path/to/socket"
+        try:
+            parts = urlsplit(url)
+            port = parts.port  # a port past 65535 or not a number raises here
+        except ValueError as e:
+            raise CmrootError("bad daemon URL", f"{url!r}: {e}: {fix}") from None
         if parts.scheme == "unix" and not socket:
             socket = parts.path
             if parts.netloc or not socket.startswith("/"):
@@ -125,13 +135,18 @@ class Client:
                     "bad daemon URL", f"{url!r}: write unix:///absolute/path/to/socket"
                 )
         elif parts.scheme not in ("http", "https") or not parts.hostname:
+            raise CmrootError("bad daemon URL", f"{url!r}: {fix}")
+        if token is not None and not (token.isascii() and token.isprintable()):
+            # It could not go in an HTTP header; no token has such characters.
             raise CmrootError(
-                "bad daemon URL", f"{url!r}: write http://host:port or unix:///path/to/socket"
+                "bad token",
+                "a cmroot token is printable ASCII (cmr_...): check the token file or "
+                "$CMROOT_TOKEN for stray characters",
             )
         self.url = url.rstrip("/")
         self._https = parts.scheme == "https"
         self._host = parts.hostname or "localhost"
-        self._port = parts.port or (443 if self._https else 80)
+        self._port = port or (443 if self._https else 80)
         self._socket = socket
         self._token = token
         self._timeout = timeout
@@ -388,22 +403,25 @@ class Client:
     def _send(
         self, method: str, path: str, payload: bytes | None, hdrs: dict[str, str], retry: bool
     ) -> http.client.HTTPResponse:
-        # One retry on a stale keep-alive connection, only for requests that change nothing.
+        """One request, sent again once on a fresh connection when a kept-alive one turns
+        out closed: always if it failed while being sent (the daemon cannot have read a
+        whole request, so it ran nothing), and for requests that change nothing (`GET`,
+        `retry`) also if the answer was lost. A recycle whose answer was lost is not sent
+        again: it may have run."""
         for attempt in (0, 1):
-            conn = self._connection()
+            conn, reused = self._connection()
+            sent = False
             try:
                 conn.request(method, path, payload, hdrs)
+                sent = True
                 return conn.getresponse()
             except (ConnectionError, http.client.HTTPException, OSError) as e:
                 conn.close()
                 self._local.conn = None
-                if (
-                    attempt == 0
-                    and (method == "GET" or retry)
-                    and isinstance(
-                        e, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
-                    )
-                ):
+                stale = isinstance(
+                    e, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+                )
+                if attempt == 0 and stale and ((reused and not sent) or method == "GET" or retry):
                     continue
                 raise DaemonUnavailable(
                     "cmroot daemon unreachable",
@@ -411,8 +429,18 @@ class Client:
                 ) from e
         raise AssertionError("unreachable")
 
-    def _connection(self) -> http.client.HTTPConnection:
-        conn = getattr(self._local, "conn", None)
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection, and whether it was used before. A kept-alive one is
+        not reused once idle for POOL_IDLE, or once the daemon closed it (its socket
+        reads EOF): a request written into it would be lost, or half sent."""
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        now = time.monotonic()
+        if conn is not None and conn.sock is not None and (
+            now - self._local.used > POOL_IDLE or _readable(conn.sock)
+        ):
+            conn.close()
+            conn = None
+        reused = conn is not None and conn.sock is not None
         if conn is None:
             if self._socket:
                 conn = _UnixConnection(self._socket, self._host, self._timeout)
@@ -423,13 +451,22 @@ class Client:
             else:
                 conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
             self._local.conn = conn
-        return conn
+        self._local.used = now
+        return conn, reused
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether an idle kept-alive socket has something to read: the daemon closed it
+    (EOF or reset), since no answer is due on it."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _retry_after(resp: http.client.HTTPResponse) -> float | None:

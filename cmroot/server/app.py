@@ -11,6 +11,7 @@ import io
 import logging
 import os
 import re
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,7 +42,7 @@ from cmroot.exceptions import (
 )
 from cmroot.metrics import Metrics, StoreCollector
 from cmroot.server import schemas
-from cmroot.server.auth import Tokens, local_request
+from cmroot.server.auth import Tokens, local_request, loopback_origin
 from cmroot.store import RecycleResult, Store, Verified
 from cmroot.store.sweep import SweepReport
 
@@ -97,6 +98,9 @@ LIMITS = {
     "probe": Limit(workers=2, admitted=8),
 }
 RETRY_AFTER = 1  # seconds a 503 asks the client to wait
+# What a request the client abandoned is counted as (nginx's "client closed request");
+# its answer is never delivered.
+CLIENT_GONE = 499
 
 
 class WorkClass:
@@ -234,6 +238,12 @@ INLINE_MAX = 1 << 20  # files up to this size are served from memory, hashed as 
 # The last bytes of a sendfile'd response are held back until the descriptor's identity
 # is checked again: a file changed while it was sent is cut short, never completed.
 _HELD_BACK = 1 << 16
+# A download whose client takes nothing for this long is cut: each sendfile call of
+# SEND_CHUNK bytes must be done within SEND_IDLE seconds (a client reading less than
+# about 8 KiB/s is taken for one that stopped). Buffered writes (small files, JSON
+# answers) are watched by the connection's listener with the same timeout.
+SEND_IDLE = 30.0
+SEND_CHUNK = 1 << 18
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 
 
@@ -277,7 +287,7 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=_ENCODER.encode(data), status=status, content_type="application/json")
 
 
-def _error(status: int, message: str, detail: str = "") -> web.Response:
+def error_response(status: int, message: str, detail: str = "") -> web.Response:
     return _json({"error": message, "detail": detail}, status=status)
 
 
@@ -311,18 +321,21 @@ async def _answer(request: web.Request, handler: Handler, route: str) -> web.Str
         if _outside_roots(e):
             log.warning("refused: outside the warehouse roots", extra={"error": str(e)})
             detail = _OUTSIDE
-        resp = _error(e.status, e.message, detail)
+        resp = error_response(e.status, e.message, detail)
     except web.HTTPRequestEntityTooLarge as e:
-        resp = _error(413, "request body too large", e.text or "")
+        resp = error_response(413, "request body too large", e.text or "")
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        resp = _error(e.status, e.reason, f"{request.method} {request.path}")
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise
+        resp = error_response(e.status, e.reason, f"{request.method} {request.path}")
+    except ConnectionResetError as e:
+        # The client hung up (mid-body, or before its request ran): nobody reads this
+        # answer, and it is the client's doing, not the daemon's.
+        log.debug("client gone", extra={"route": route, "error": str(e)})
+        resp = error_response(CLIENT_GONE, "client closed the connection", str(e))
     except Exception as e:
         log.exception("internal error", extra={"route": route})
-        resp = _error(500, "internal error", type(e).__name__)
+        resp = error_response(500, "internal error", type(e).__name__)
     if resp.status == 401:
         resp.headers[hdrs.WWW_AUTHENTICATE] = 'Bearer realm="cmroot"'
     if resp.status == 503:
@@ -341,20 +354,39 @@ def _outside_roots(e: BaseException) -> bool:
     return False
 
 
+# Unauthenticated, read-only probes: a browser may load them from anywhere.
+_PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
 @web.middleware
 async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Cross-site protection, before auth and before any body is read. A web page can
     send a `text/plain` or form POST to localhost without a CORS preflight: only JSON
     bodies are taken. In open mode (no tokens) a page served from a name rebound to
-    127.0.0.1 could read the answers too: only loopback Host names are served."""
+    127.0.0.1 could read the answers too: only loopback Host names are served; and a
+    page's own requests (a bodiless POST /v1/gc) are refused by what the browser says
+    of their origin."""
+    if request.transport is None:
+        # The connection was lost (the client hung up, or it was closed for room) before
+        # the request ran: nobody would get the answer, so nothing runs (no phantom).
+        raise ConnectionResetError("connection closed before the request ran")
     svc = request.app[SERVICE]
-    if not svc.tokens.enabled and not local_request(
-        request.headers.get(hdrs.HOST), request.transport
-    ):
-        raise Forbidden(
-            "Host is not a loopback name",
-            "open mode (no auth.tokens) serves only Host localhost, 127.0.0.0/8 or [::1]; "
-            "configure tokens to serve other names",
+    if not svc.tokens.enabled:
+        if not local_request(request.headers.get(hdrs.HOST), request.transport):
+            raise Forbidden(
+                "Host is not a loopback name",
+                "open mode (no auth.tokens) serves only Host localhost, 127.0.0.0/8 or "
+                "[::1]; configure tokens to serve other names",
+            )
+        if request.path not in _PROBES:
+            _refuse_cross_site(request)
+    encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
+    if encoding != "identity":
+        # Inflating a body multiplies what it costs (a 1 MiB gzip of spaces is 1 GiB);
+        # the parser does not inflate (auto_decompress off), and no client compresses.
+        raise UnsupportedMediaType(
+            "compressed request bodies are not accepted",
+            f"Content-Encoding {encoding[:50]!r}: send the body uncompressed (identity)",
         )
     # A POST without body or Content-Type (POST /v1/gc) has nothing a page could forge.
     has_body = request.body_exists or hdrs.CONTENT_TYPE in request.headers
@@ -368,6 +400,23 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
             "Content-Type: application/json (UTF-8)",
         )
     return await handler(request)
+
+
+def _refuse_cross_site(request: web.Request) -> None:
+    """In open mode, a request a browser sent for another site's page is 403. Browsers
+    name that site (Origin) and say how it relates (Sec-Fetch-Site) on every cross-origin
+    request, even one a page cannot read the answer of; the CLI and Client send neither."""
+    site = request.headers.get("Sec-Fetch-Site", "").strip().lower()
+    origin = request.headers.get(hdrs.ORIGIN)
+    if site in ("cross-site", "same-site") or (
+        origin is not None and not loopback_origin(origin)
+    ):
+        raise Forbidden(
+            "cross-site request refused",
+            f"sent by a web page (Origin {(origin or 'unknown')[:100]!r}, Sec-Fetch-Site "
+            f"{site or 'unknown'!r}): open mode (no auth.tokens) takes requests from local "
+            "programs only; configure tokens for anything else",
+        )
 
 
 def _route(scope: str | None, work: WorkClass, handler: Handler) -> Handler:
@@ -522,7 +571,7 @@ async def _serve(request: web.Request, svc: Service, v: Verified) -> web.StreamR
     if raw_range is not None and (if_range is None or if_range.strip() == etag):
         rng = _byte_range(raw_range, v.size)
         if rng is False:
-            refused = _error(
+            refused = error_response(
                 416, "range not satisfiable", f"{raw_range!r}: the file has {v.size} bytes"
             )
             refused.headers[hdrs.CONTENT_RANGE] = f"bytes */{v.size}"
@@ -566,16 +615,24 @@ def _byte_range(header: str, size: int) -> tuple[int, int] | Literal[False] | No
         return None
     a, b = m.groups()
     if a == "":
-        n = int(b)
+        n = _position(b)
         if n == 0 or size == 0:
             return False
         return max(0, size - n), size - 1
-    first = int(a)
-    if b and int(b) < first:
+    first = _position(a)
+    if b and _position(b) < first:
         return None
     if first >= size:
         return False
-    return first, min(int(b) if b else size - 1, size - 1)
+    return first, min(_position(b) if b else size - 1, size - 1)
+
+
+def _position(digits: str) -> int:
+    """A byte position of a Range header. One past any file's size (no file reaches 10**18
+    bytes) stands for itself, however many digits it has: Python's int() refuses more
+    than 4300 (ValueError), and a client could send thousands."""
+    digits = digits.lstrip("0") or "0"
+    return int(digits) if len(digits) <= 18 else sys.maxsize
 
 
 async def _send_fd(
@@ -591,19 +648,36 @@ async def _send_fd(
     if transport is None:
         raise ConnectionResetError("connection lost")
     head = count - min(count, _HELD_BACK)
-    if head:
-        f = io.FileIO(v.fd, "rb", closefd=False)
-        try:
-            await loop.sendfile(transport, f, first, head)
-        except NotImplementedError:
-            await _write_chunks(request, resp, v, first, head)
-        finally:
-            f.close()
+    sent = 0
+    f = io.FileIO(v.fd, "rb", closefd=False)
+    try:
+        # A piece at a time, each bounded by SEND_IDLE: a client that stops reading
+        # would otherwise park this handler (and its place in the serve class) for ever.
+        while sent < head:
+            if transport.is_closing():  # asyncio's sendfile raises RuntimeError on it
+                raise ConnectionResetError("connection lost")
+            n = min(SEND_CHUNK, head - sent)
+            await _sending(transport, loop.sendfile(transport, f, first + sent, n))
+            sent += n
+    except NotImplementedError:
+        await _write_chunks(request, resp, v, first + sent, head - sent)
+    finally:
+        f.close()
     tail = await _run(request, _tail_if_unchanged, svc, v, first + head, count - head)
     if tail is None:
         transport.abort()
         raise ConnectionResetError("file changed while served")
     await resp.write(tail)
+
+
+async def _sending(transport: asyncio.Transport, sending: Awaitable[T]) -> T:
+    """`sending` (a write), or the connection aborted once it has waited SEND_IDLE
+    seconds for the client: ConnectionResetError then, like any client that went away."""
+    try:
+        return await asyncio.wait_for(sending, SEND_IDLE)
+    except asyncio.TimeoutError:
+        transport.abort()
+        raise ConnectionResetError(f"the client took nothing for {SEND_IDLE:g}s") from None
 
 
 async def _write_chunks(
@@ -718,5 +792,5 @@ async def readyz(request: web.Request) -> web.Response:
     except NotReady as e:
         # Unauthenticated: the answer names the part, the log has the paths and errors.
         log.warning("not ready", extra={"part": e.part, "error": str(e)})
-        return _error(503, f"not ready: {e.part}", "see the daemon's log")
+        return error_response(503, f"not ready: {e.part}", "see the daemon's log")
     return _json({"status": "ready"})

@@ -12,6 +12,7 @@ import socket
 import struct
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import urlsplit
 
 from cmroot.exceptions import ConfigError, Forbidden, Unauthorized
 
@@ -59,7 +60,14 @@ class Tokens:
         # RFC 9110: the scheme is case-insensitive.
         if scheme.lower() != "bearer" or not token.strip():
             raise Unauthorized("missing token", "send Authorization: Bearer <token>")
-        scope = self._scopes.get(hash_token(token.strip()))
+        token = token.strip()
+        if not token.isascii():
+            # Header bytes that are not ASCII reach here as surrogates (aiohttp decodes
+            # them with surrogateescape); no token has any, and they cannot be encoded.
+            raise Unauthorized(
+                "unknown token", "tokens are ASCII (cmr_...): send one `cmroot token create` made"
+            )
+        scope = self._scopes.get(hash_token(token))
         if scope is None:
             raise Unauthorized("unknown token", "the token is not in this daemon's auth.tokens")
         if SCOPES.index(scope) < SCOPES.index(needed):
@@ -85,6 +93,17 @@ def loopback_host(host: str | None) -> bool:
         return False  # IPv6 only in brackets, IPv4 never
     mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
     return addr.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def loopback_origin(origin: str) -> bool:
+    """Whether an Origin header names a page served from this machine's loopback
+    (http(s)://localhost, 127.0.0.0/8 or [::1], any port); `null` and any other site are
+    not."""
+    try:
+        parts = urlsplit(origin.strip())
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and loopback_host(parts.netloc)
 
 
 def unix_peer_uid(transport: asyncio.BaseTransport | None) -> int | None:

@@ -16,30 +16,42 @@ import ssl
 import stat
 import tempfile
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import replace
+from typing import Any
 
 from aiohttp import web
 from aiohttp.streams import StreamReader
+from aiohttp.web_request import BaseRequest
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client import CollectorRegistry
 
 from cmroot import config as cfg
 from cmroot.exceptions import ConfigError, Conflict
-from cmroot.server.app import Handler, Service, create_app
+from cmroot.server.app import SEND_IDLE, Handler, Service, create_app, error_response
 from cmroot.server.auth import Tokens, unix_peer_uid
 from cmroot.server.systemd import Notifier
 from cmroot.store import Store
 
 log = logging.getLogger("cmroot.server")
-SHUTDOWN_GRACE = 120.0  # seconds an in-flight request may take to finish on SIGTERM
+# On SIGTERM in-flight requests get SHUTDOWN_GRACE seconds to finish; then connections
+# still open are aborted (a client that never reads holds nothing after that) and their
+# handlers get SHUTDOWN_ABORT seconds more to return. Both within the unit's
+# TimeoutStopSec (150 s), with room for the store calls still running to end.
+SHUTDOWN_GRACE = 90.0
+SHUTDOWN_ABORT = 20.0
 MAX_REQUEST_LINE = 64 * 1024
 # An idle keep-alive connection, or one whose request headers have not all arrived, is
 # closed after this long (aiohttp starts the same timer at accept and after each answer).
 KEEPALIVE = 15.0
 BODY_IDLE = 15.0  # seconds a request body may stall before its read fails with 408
+# A body still arriving after BODY_IDLE must have come at this rate (bytes/s) on average:
+# one trickled a byte at a time would otherwise hold its place in a work class for ever.
+BODY_MIN_RATE = 16 << 10
+WRITE_WATCH_EVERY = 5.0  # seconds between looks for answers no client is taking
 # Connections the kernel queues while the daemon is busy; asyncio also accepts up to this
 # many in one go, before the connection cap is looked at, so the cap leaves room for them.
 BACKLOG = 128
@@ -69,12 +81,7 @@ def serve(config: cfg.Config, host: str | None = None, port: int | None = None) 
             f"change management is disabled in {config.source}",
             "store.enabled (hive.repl.cm.enabled) is false: set it to true to run the daemon",
         )
-    tokens = Tokens(config.auth.tokens)
-    if not tokens.enabled and not _is_loopback(server.host):
-        raise ConfigError(
-            f"refusing to listen on {server.host} without tokens",
-            "add auth.tokens (cmroot token create --scope admin) or bind to 127.0.0.1",
-        )
+    tokens = _tokens(config.auth.tokens, server.host)
     if tokens.enabled and not server.tls_cert and not _is_loopback(server.host):
         log.warning(
             "tokens travel in clear text: listening beyond loopback without TLS",
@@ -115,6 +122,18 @@ def _ensure_default_dirs(config: cfg.Config) -> None:
         for d in config.store.warehouse_roots:
             if cfg.local_path(d):
                 os.makedirs(d, exist_ok=True)
+
+
+def _tokens(entries: Iterable[str], host: str) -> Tokens:
+    """The tokens of `auth.tokens`; none (open mode) only on a loopback address, at start
+    as on reload: open mode trusts every client that can connect."""
+    tokens = Tokens(entries)
+    if not tokens.enabled and not _is_loopback(host):
+        raise ConfigError(
+            f"refusing to listen on {host} without tokens",
+            "add auth.tokens (cmroot token create --scope admin) or bind to 127.0.0.1",
+        )
+    return tokens
 
 
 def _is_loopback(host: str) -> bool:
@@ -158,16 +177,69 @@ def _max_connections() -> int:
     return max(16, (soft - FD_RESERVE - BACKLOG) // 2)
 
 
+class _Connection(web.RequestHandler):
+    """aiohttp's protocol for one connection, with what the daemon needs of it: whether it
+    can be closed without losing a request, and malformed HTTP answered as the API's
+    client errors rather than logged as daemon faults."""
+
+    def idle(self) -> bool:
+        """Waiting for a request, none arrived, nothing left to send. aiohttp's loop parks
+        on `_waiter` with no message queued only then: a request is queued as soon as its
+        headers are parsed, before any handler task exists, and `_waiter` is cleared until
+        it has been answered. Closing a connection in any other state would still run the
+        request it holds, for a client told the connection was lost (a phantom recycle).
+        Headers still arriving (a slow-loris) count as idle: nothing of them has run."""
+        waiter = self._waiter
+        t = self.transport
+        return (
+            waiter is not None
+            and not waiter.done()
+            and not self._messages
+            and isinstance(t, asyncio.WriteTransport)
+            and not t.is_closing()
+            and t.get_write_buffer_size() == 0
+        )
+
+    def drop_body(self) -> None:
+        """The body being read was cut (_StallWatch): once answered, the connection is
+        closed without aiohttp's lingering read of the rest of that body, which would wait
+        on the same slow client and fail again (with the error the read got, logged as an
+        unhandled exception)."""
+        self._lingering_time = 0.0
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """A request the parser refused (4xx) is the client's fault: a JSON error like any
+        other, logged without a traceback at info (any client can send garbage; the log
+        must not fill with error-level lines for it). Faults (5xx) stay aiohttp's."""
+        if status >= 500:
+            return super().handle_error(request, status, exc, message)
+        what = (message or str(exc) or "unparsable request")[:200]
+        log.info("malformed request refused", extra={"status": status, "error": what})
+        if request.writer.output_size > 0:
+            raise ConnectionError("answer already started: cannot answer the error")
+        resp = error_response(
+            status, "malformed HTTP request", f"{what}: send well-formed HTTP/1.1"
+        )
+        resp.force_close()
+        return resp
+
+
 class _Listener:
     """aiohttp's protocol factory under a connection cap. At the cap, idle connections
     (keep-alive, or headers still arriving: a slow-loris) are closed first, oldest
-    first, so they cannot lock out real requests; only when every connection is busy
-    does a new one get a 503."""
+    first, so they cannot lock out real requests; only when none is idle does a new
+    connection get a 503. It also cuts connections whose answer no client takes."""
 
-    def __init__(self, runner: web.AppRunner, cap: int) -> None:
+    def __init__(self, runner: web.AppRunner, cap: int, options: dict[str, Any]) -> None:
         self.runner = runner
         self.cap = cap
-        self.busy: set[asyncio.BaseProtocol] = set()
+        self.options = options  # the RequestHandler settings the runner was given
 
     def __call__(self) -> asyncio.BaseProtocol:
         server = self.runner.server
@@ -175,59 +247,98 @@ class _Listener:
         conns = server.connections
         if len(conns) >= self.cap:
             # A batch at a time keeps the scan of every connection rare.
-            idle = [h for h in conns if self._idle(h)][: max(1, self.cap // 16)]
-            for h in idle:
+            idle = [h for h in conns if isinstance(h, _Connection) and h.idle()]
+            for h in idle[: max(1, self.cap // 16)]:
                 h.force_close()
             if not idle:
                 return _Busy()
-        return server()
+        return _Connection(server, loop=asyncio.get_running_loop(), **self.options)
 
-    def _idle(self, h: web.RequestHandler) -> bool:
-        """No request in a handler and nothing of an answer left to send. (Between a
-        handler's return and its answer's first write the loop does not yield, so an
-        answer is never cut here.)"""
-        t = h.transport
-        return (
-            h not in self.busy
-            and isinstance(t, asyncio.WriteTransport)
-            and not t.is_closing()
-            and t.get_write_buffer_size() == 0
-        )
+    def _transports(self) -> list[tuple[web.RequestHandler, asyncio.WriteTransport]]:
+        server = self.runner.server
+        return [
+            (h, t)
+            for h in (server.connections if server is not None else ())
+            if isinstance(t := h.transport, asyncio.WriteTransport)
+        ]
+
+    async def watch_writers(self) -> None:
+        """Abort connections whose buffered answer has not moved for SEND_IDLE seconds (a
+        client that never reads): each would hold its answer in memory, and a connection
+        place, for ever. KEEPALIVE and BODY_IDLE never apply to a send. (A download's
+        sendfile has its own timeout: its bytes are not in this buffer.)"""
+        stalled: dict[web.RequestHandler, tuple[int, float]] = {}
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(WRITE_WATCH_EVERY)
+            now = loop.time()
+            still: dict[web.RequestHandler, tuple[int, float]] = {}
+            for h, t in self._transports():
+                size = t.get_write_buffer_size()
+                if not size:
+                    continue
+                last = stalled.get(h)
+                since = last[1] if last is not None and last[0] == size else now
+                if now - since < SEND_IDLE:
+                    still[h] = (size, since)
+                    continue
+                log.info(
+                    "cut a connection whose client took nothing of its answer",
+                    extra={"seconds": SEND_IDLE, "unsent": size},
+                )
+                t.abort()
+            stalled = still
+
+    def abort_all(self) -> int:
+        """Abort every open connection (at the end of the shutdown grace): a handler
+        stuck writing to one sees it lost and returns. Returns how many there were."""
+        open_ = self._transports()
+        for _, t in open_:
+            t.abort()
+        return len(open_)
 
     @web.middleware
-    async def guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Marks the connection busy (not to be closed for room) while a request runs."""
-        proto = request.protocol
-        self.busy.add(proto)
-        watch = None if request.content.is_eof() else _StallWatch(request.content)
+    async def watch_body(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Cuts the read of a request body that stalls or trickles (see _StallWatch)."""
+        watch = (
+            None if request.content.is_eof() else _StallWatch(request.content, request.protocol)
+        )
         try:
             return await handler(request)
         finally:
-            self.busy.discard(proto)
             if watch is not None:
                 watch.cancel()
 
 
 class _StallWatch:
-    """Fails the read of a request body that stops arriving for BODY_IDLE seconds (408):
-    a client that sends headers and then withholds the body holds no handler for ever."""
+    """Fails the read of a request body (408) that stops arriving for BODY_IDLE seconds,
+    or that has come slower than BODY_MIN_RATE on average once BODY_IDLE has passed: a
+    client that withholds or trickles its body holds no handler (and no place in its
+    class of work) for ever."""
 
-    def __init__(self, stream: StreamReader) -> None:
+    def __init__(self, stream: StreamReader, conn: web.RequestHandler) -> None:
         self.stream = stream
-        self.handle = asyncio.get_running_loop().call_later(
-            BODY_IDLE, self._check, stream.total_bytes
-        )
+        self.conn = conn
+        loop = asyncio.get_running_loop()
+        self.start = loop.time()
+        self.handle = loop.call_later(BODY_IDLE, self._check, stream.total_bytes)
 
     def _check(self, seen: int) -> None:
         s = self.stream
         if s.is_eof():
             return
+        loop = asyncio.get_running_loop()
         if s.total_bytes == seen:
-            s.set_exception(web.HTTPRequestTimeout(text=f"no body bytes for {BODY_IDLE:g}s"))
-            return
-        self.handle = asyncio.get_running_loop().call_later(
-            BODY_IDLE, self._check, s.total_bytes
-        )
+            self._cut(f"no body bytes for {BODY_IDLE:g}s")
+        elif s.total_bytes < BODY_MIN_RATE * (loop.time() - self.start):
+            self._cut(f"the body came slower than {BODY_MIN_RATE} bytes/s: send it at once")
+        else:
+            self.handle = loop.call_later(BODY_IDLE, self._check, s.total_bytes)
+
+    def _cut(self, why: str) -> None:
+        self.stream.set_exception(web.HTTPRequestTimeout(text=why))
+        if isinstance(self.conn, _Connection):
+            self.conn.drop_body()
 
     def cancel(self) -> None:
         self.handle.cancel()
@@ -447,19 +558,22 @@ def _scheduled_sweep(service: Service) -> None:
 async def _run(config: cfg.Config, service: Service, notifier: Notifier) -> None:
     loop = asyncio.get_running_loop()
     app = create_app(service, config.server.max_body)
-    runner = web.AppRunner(
-        app,
-        handle_signals=False,
-        shutdown_timeout=SHUTDOWN_GRACE,
-        access_log=None,
+    options: dict[str, Any] = {
+        "access_log": None,
         # A request path may be 4096 characters (warehouse.MAX_PATH); percent-encoded in
         # GET /v1/files it can take several times that. aiohttp's default 8190-byte request
         # line would refuse it with a plain-text 400 before the API could answer.
-        max_line_size=MAX_REQUEST_LINE,
-        keepalive_timeout=KEEPALIVE,
+        "max_line_size": MAX_REQUEST_LINE,
+        "keepalive_timeout": KEEPALIVE,
+        # Compressed bodies are refused (415, app._guard) before they are read; left on,
+        # the parser would inflate them as they arrive, before any handler could refuse.
+        "auto_decompress": False,
+    }
+    runner = web.AppRunner(
+        app, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE, **options
     )
-    listener = _Listener(runner, _max_connections())
-    app.middlewares.append(listener.guard)  # innermost: the API's errors answer a 408
+    listener = _Listener(runner, _max_connections(), options)
+    app.middlewares.append(listener.watch_body)  # innermost: the API's errors answer a 408
     await runner.setup()
     tls = _ssl_context(config.server)
     # Our own listening socket rather than a TCPSite: the protocol factory enforces the
@@ -505,6 +619,7 @@ async def _run(config: cfg.Config, service: Service, notifier: Notifier) -> None
         if notifier.watchdog_interval
         else None
     )
+    writers = asyncio.create_task(listener.watch_writers())
     await stop.wait()
 
     log.info("stopping: draining in-flight requests")
@@ -516,13 +631,38 @@ async def _run(config: cfg.Config, service: Service, notifier: Notifier) -> None
     service.stopping.set()  # a running sweep ends after its current batch
     # The scheduler is stopped from a thread: waiting for its sweep on the event loop
     # would freeze every in-flight request behind it.
-    await asyncio.gather(asyncio.to_thread(sched.shutdown, True), runner.cleanup())
+    await asyncio.gather(asyncio.to_thread(sched.shutdown, True), _drain(runner, listener))
     # Handlers cut off by the grace period leave their store call running in a worker:
     # each recycle finishes or rolls back before the process exits.
     await loop.run_in_executor(None, service.close)
+    writers.cancel()
     if watchdog:
         watchdog.cancel()
     log.info("stopped")
+
+
+async def _drain(runner: web.AppRunner, listener: _Listener) -> None:
+    """aiohttp's graceful shutdown, bounded: it waits up to its timeout for each handler,
+    then as long again for the handler it cancelled, and a handler blocked on a client
+    that never reads waits for ever. After SHUTDOWN_GRACE the connections still open are
+    aborted (their handlers see them lost and return); after SHUTDOWN_ABORT more the
+    drain is given up. A store call still running in a worker is waited for by the
+    caller (Service.close), so no recycle is left half done."""
+    cleanup = asyncio.ensure_future(runner.cleanup())
+    done, _ = await asyncio.wait({cleanup}, timeout=SHUTDOWN_GRACE)
+    if not done:
+        cut = listener.abort_all()
+        log.warning(
+            "connections still busy after the shutdown grace were cut",
+            extra={"connections": cut, "grace": SHUTDOWN_GRACE},
+        )
+        done, _ = await asyncio.wait({cleanup}, timeout=SHUTDOWN_ABORT)
+    if not done:
+        log.warning("handlers still running after the shutdown grace; exiting without them")
+        cleanup.cancel()
+        await asyncio.wait({cleanup})
+        return
+    await cleanup  # raises what the shutdown raised, if anything
 
 
 def _address(sockname: tuple[str, int] | tuple[str, int, int, int]) -> str:
@@ -543,9 +683,11 @@ def _reload(
     notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
     try:
         fresh = cfg.load(None if config.source == "<defaults>" else config.source)
+        # Checked first: a refused reload changes nothing, certificates included.
+        tokens = _tokens(fresh.auth.tokens, config.server.host)
         if tls is not None:
             _reload_tls(tls, fresh.server)
-        service.tokens = Tokens(fresh.auth.tokens)
+        service.tokens = tokens
         if gate is not None:
             gate.uids = _socket_uids(fresh.server)
             gate.drop_refused()
