@@ -98,6 +98,7 @@ import logging
 import os
 import posixpath
 import re
+import shutil
 import stat
 import threading
 import time
@@ -561,7 +562,7 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         a symlink: the removal is bound to the directory that was checked. No directory
         that is a root or holds one (by device and inode) is removed."""
         parent, name = posixpath.split(path)
-        with _bound_dir(parent) as pfd:
+        with _bound_dir(parent) as pfd, _named(name, path):
             if recursive and stat.S_ISDIR(os.lstat(name, dir_fd=pfd).st_mode):
                 _rmtree_at(pfd, name, path, guard)
             else:  # rm checked for directories first: this is rm_file's os.remove
@@ -569,7 +570,7 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
 
     def _rmdir_local(self, path: str, guard: _Guard) -> None:
         parent, name = posixpath.split(path)
-        with _bound_dir(parent) as pfd:
+        with _bound_dir(parent) as pfd, _named(name, path):
             fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
             try:
                 _check_guard(fd, path, guard)
@@ -976,6 +977,11 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         dst = self._dest(path)
         if kwargs.get("mode") == "create" and self.fs.exists(dst):
             raise FileExistsError(dst)
+        if self._unit() is not None and self._key(dst) is None:
+            # Inside fs.transaction, deferred as fsspec defers it: it writes through open.
+            with self.open(dst, "wb", **{k: v for k, v in kwargs.items() if k != "mode"}) as f:
+                f.write(value)
+            return
         self._replace(dst, lambda p: self.fs.pipe_file(p, value, **kwargs))
 
     def put_file(self, lpath: Any, rpath: Any, **kwargs: Any) -> None:
@@ -1099,8 +1105,10 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
             except OSError as e:
                 if e.errno != errno.EXDEV:
                     raise
-        # Another filesystem: the target copies the tree, then removes it by name.
-        self.fs.mv(src, real_dst)
+        # Another filesystem: copied as shutil.move copies it, the source then removed bound
+        # to the checked directory (not by name, as shutil.move would).
+        shutil.copytree(src, real_dst, symlinks=True)
+        self._remove_local(src, True, guard)
 
     def touch(self, path: Any, truncate: bool = True, **kwargs: Any) -> None:
         if truncate:
@@ -1459,6 +1467,18 @@ def _bound_dir(path: str) -> Iterator[int]:
         yield fd
     finally:
         os.close(fd)
+
+
+@contextmanager
+def _named(name: str, path: str) -> Iterator[None]:
+    """An OSError of a call relative to a directory descriptor names `name`, the last
+    component: name the whole path, as the call by path would."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename == name:
+            e.filename = path
+        raise
 
 
 def _check_guard(fd: int, path: str, guard: _Guard) -> None:

@@ -2,13 +2,15 @@
 filesystem what it removes itself is removed relative to a directory opened without
 following a symlink, so a directory on the way that becomes a symlink after the check
 (here, between the prepare and the delete, at the hook's own fault point) makes the call
-fail with nothing removed through it; and a move *into* a root's parent stays allowed.
-Real daemon, real files."""
+fail with nothing removed through it. A move *into* a root's parent stays allowed, and a
+move to another filesystem is copied, then removed bound likewise. Real daemon, real
+files."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -75,3 +77,24 @@ def test_a_directory_moves_into_a_roots_parent(daemon: Daemon, tmp_path: Path) -
         assert (landed / "f").read_bytes() == b"x" and not src.exists()
     finally:
         shutil.rmtree(landed, ignore_errors=True)
+
+
+def test_a_directory_moved_to_another_filesystem_is_copied_then_removed(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    """Across filesystems a rename fails (EXDEV): the tree is copied as shutil.move copies
+    it (a symlink stays a symlink), then the source is removed bound to its checked
+    directory."""
+    if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on a filesystem of its own")
+    other = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="cmroot-test-"))
+    try:
+        src = other / "incoming"
+        write_files(src, {"a/f": b"x"})
+        (src / "link").symlink_to(src / "a" / "f")
+        hook(daemon).mv(str(src), str(tmp_path / "moved"))
+        moved = tmp_path / "moved"
+        assert (moved / "a" / "f").read_bytes() == b"x" and not src.exists()
+        assert (moved / "link").is_symlink()
+    finally:
+        shutil.rmtree(other, ignore_errors=True)

@@ -62,7 +62,7 @@ def test_rm_and_writes_inside_a_transaction_are_one_unit(
     files = table(daemon, 3)
     a, b, c = sorted(files)
     created = Path(a).parent / "new.parquet"
-    scratch = tmp_path / "scratch.txt"
+    scratch, piped = tmp_path / "scratch.txt", tmp_path / "piped.bin"
     fs = hook(daemon)
     since = daemon.client().current_event()
 
@@ -76,10 +76,11 @@ def test_rm_and_writes_inside_a_transaction_are_one_unit(
                 f.write(b"created")
             with fs.open(str(scratch), "w") as t:
                 t.write("scratch")
-            # The deletes are prepared at once; the replacements and the file outside the
+            fs.pipe_file(str(piped), b"piped")
+            # The deletes are prepared at once; the replacements and the files outside the
             # roots wait for the end.
             assert not Path(a).exists() and Path(b).read_bytes() == files[b]
-            assert not scratch.exists()
+            assert not scratch.exists() and not piped.exists()
             if outcome == "raises":
                 raise RuntimeError("job failed")
 
@@ -87,7 +88,7 @@ def test_rm_and_writes_inside_a_transaction_are_one_unit(
         with pytest.raises(RuntimeError, match="job failed"):
             run()
         assert {p: Path(p).read_bytes() for p in files} == files
-        assert not created.exists() and not scratch.exists()
+        assert not created.exists() and not scratch.exists() and not piped.exists()
         assert events_after(daemon, since) == []
         assert tree(daemon.store / "staging") == {}
         return
@@ -97,6 +98,7 @@ def test_rm_and_writes_inside_a_transaction_are_one_unit(
     assert not Path(a).exists()
     assert (Path(b).read_bytes(), Path(c).read_bytes()) == (b"new b", b"new c")
     assert created.read_bytes() == b"created" and scratch.read_text() == "scratch"
+    assert piped.read_bytes() == b"piped"
     assert all(status(daemon, p, data) == "cmroot" for p, data in files.items())
 
 
