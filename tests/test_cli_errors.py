@@ -212,3 +212,18 @@ def test_token_from_a_file_or_the_environment(tmp_path: Path, daemon: Daemon) ->
     one_line_error(
         cmroot("--url", daemon.url, "--token-file", str(tmp_path / "empty"), "ls"), 1, "empty"
     )
+    # Readable by other users: it still works, with a warning naming the fix.
+    os.chmod(tf, 0o644)
+    p = cmroot("--url", daemon.url, "--token-file", str(tf), "ls")
+    assert p.returncode == 0, p.stderr
+    assert b"chmod 600" in p.stderr and daemon.tokens["read"].encode() not in p.stderr
+
+
+def test_get_to_a_file_leaves_nothing_when_it_fails(tmp_path: Path, daemon: Daemon) -> None:
+    out = tmp_path / "out"
+    p = cmroot(
+        "--url", daemon.url, "get", str(daemon.warehouse / "db.db/t/f"), "0" * 32,
+        "-o", str(out), env={"CMROOT_TOKEN": daemon.tokens["read"]},
+    )
+    one_line_error(p, 2, "no such file")
+    assert list(tmp_path.iterdir()) == [], "a partial file was left behind"

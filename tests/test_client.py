@@ -143,6 +143,22 @@ def test_keep_alive_survives_a_restart(daemon: Daemon) -> None:
     assert c.resolve(pair)["files"][0]["status"] == "original"
 
 
+def test_a_recycle_after_the_daemon_closed_the_kept_alive_connection(daemon: Daemon) -> None:
+    """A recycle is not resent when its answer is lost (it may have run), so it must never
+    be written into a kept-alive connection the daemon has closed (here by a restart): the
+    client sees the close on the idle socket and connects again. Before, the recycle went
+    into the dead connection and failed as DaemonUnavailable, and a fail-open hook would
+    have deleted without a copy."""
+    d = daemon
+    files = write_files(d.warehouse, {"db.db/a/f": b"a", "db.db/b/f": b"b"})
+    c = d.client("write")
+    paths = sorted(files)
+    assert len(c.recycle([paths[0]], op="DELETE").files) == 1
+    d.restart()
+    assert len(c.recycle([paths[1]], op="DELETE").files) == 1
+    assert not any(os.path.exists(p) for p in paths)
+
+
 def test_one_client_shared_by_threads(daemon: Daemon) -> None:
     d = daemon
     files = write_files(d.warehouse, {f"db.db/t/f{i}": bytes([i]) * 100 for i in range(16)})

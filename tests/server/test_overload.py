@@ -1,11 +1,13 @@
 """Crowds of idle and slow clients: thousands of idle connections and slow-loris clients
 (headers sent a byte at a time) leave the daemon answering /healthz and a recycle within
 a second; past its connection cap it closes idle connections rather than running out of
-descriptors; headers that never finish and bodies that stall are cut off."""
+descriptors; headers that never finish, bodies that stall and answers nobody reads are
+cut off."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import resource
 import socket
 import threading
@@ -14,6 +16,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from cmroot.server.app import SEND_IDLE
+from cmroot.server.main import WRITE_WATCH_EVERY
 from tests.server.cmroot_daemon import Daemon, MakeDaemon, write_files
 
 pytestmark = pytest.mark.timeout(180)
@@ -146,3 +150,40 @@ def test_unfinished_headers_and_stalled_bodies_are_cut_off(make_daemon: MakeDaem
         _close_all([stalled, *loris.socks])
     assert d.request("GET", "/healthz", scope=None, timeout=1.0).status == 200
     assert d.stop() == 0
+
+
+def test_an_answer_nobody_reads_is_cut(make_daemon: MakeDaemon) -> None:
+    """A resolve answer of several MiB whose client never reads it: once nothing of it has
+    moved for SEND_IDLE the connection is aborted, instead of the answer sitting in the
+    daemon's memory (and holding a connection place) for as long as the client likes."""
+    d = make_daemon()
+    deep = "/".join(["d" * 200] * 15)  # 3,000 characters, within the path limits
+    pairs = [
+        {"path": str(d.warehouse / "db.db" / deep / f"f{i}"), "checksum": "0" * 32}
+        for i in range(2000)
+    ]
+    body = json.dumps({"files": pairs}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", d.port))
+    try:
+        s.sendall(
+            b"POST /v1/resolve HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {d.tokens['read']}\r\n".encode()
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        deadline = time.monotonic() + SEND_IDLE + 3 * WRITE_WATCH_EVERY
+        while not any(r["msg"].startswith("cut a connection") for r in d.log_records()):
+            assert time.monotonic() < deadline, "the unread answer is still held"
+            time.sleep(1)
+        got = b""
+        s.settimeout(10)
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(1 << 20):
+                got += chunk
+    finally:
+        s.close()
+    assert len(got) < len(body), "the whole answer went out: nothing was cut"
+    assert d.request("GET", "/healthz", scope=None, timeout=1.0).status == 200
+    assert d.errors() == [], d.log()
