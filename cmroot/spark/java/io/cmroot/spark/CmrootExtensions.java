@@ -31,7 +31,8 @@ import scala.runtime.BoxedUnit;
  *   <li>the cmroot settings that decide whether and where files are kept
  *       ({@link Cmroot#FIXED_KEYS}) are the application's: registered as static SQL configs,
  *       so {@code spark.conf.set} refuses them, and a check rule refuses {@code SET} of any
- *       spark.cmroot.* key with an error saying where to set it.
+ *       spark.cmroot.* key, and of the Hadoop keys that could swap the hooked `file` file
+ *       system or route deletes to the trash, with an error saying where to set it.
  * </ul>
  */
 public class CmrootExtensions extends AbstractFunction1<SparkSessionExtensions, BoxedUnit> {
@@ -135,18 +136,40 @@ public class CmrootExtensions extends AbstractFunction1<SparkSessionExtensions, 
     }
   }
 
-  /** SET spark.cmroot.KEY=... from SQL: refused, saying where the setting belongs. */
+  /**
+   * SET from SQL of a key that decides whether deletes are kept: refused, saying where it
+   * belongs. That is every spark.cmroot.* key, and the Hadoop keys that choose or configure
+   * the file system of the `file` scheme (fs.file.*, fs.<scheme>.impl*,
+   * fs.AbstractFileSystem.*.impl) or send deletes to the trash (fs.trash.*): the session's
+   * SQL conf is copied into the Hadoop conf of its queries, so `SET fs.file.impl=...` with
+   * `SET fs.file.impl.disable.cache=true` would give the next statement an unhooked file
+   * system. Also spelled with the spark.hadoop. prefix.
+   */
   static final class RefuseSettingChanges extends AbstractFunction1<LogicalPlan, BoxedUnit> {
+    private static final java.util.regex.Pattern HADOOP_KEYS = java.util.regex.Pattern.compile(
+        "fs\\.(file\\..*|trash\\..*|.*\\.impl(\\..*)?)");
+
+    static boolean fixed(String key) {
+      String k = key.trim();
+      if (k.startsWith("spark.cmroot.")) {
+        return true;
+      }
+      if (k.startsWith("spark.hadoop.")) {
+        k = k.substring("spark.hadoop.".length());
+      }
+      return HADOOP_KEYS.matcher(k).matches();
+    }
+
     @Override
     public BoxedUnit apply(LogicalPlan plan) {
       if (plan instanceof SetCommand) {
         Option<Tuple2<String, Option<String>>> kv = ((SetCommand) plan).kv();
-        if (kv.isDefined() && kv.get()._2().isDefined()
-            && kv.get()._1().trim().startsWith("spark.cmroot.")) {
+        if (kv.isDefined() && kv.get()._2().isDefined() && fixed(kv.get()._1())) {
           String key = kv.get()._1().trim();
           throw new IllegalArgumentException("cmroot: " + key + " is a setting of the Spark "
-              + "application and cannot be changed by SET: it protects every session's "
-              + "deletes. Set it when the application starts (spark-submit --conf " + key
+              + "application and cannot be changed by SET: it decides whether every session's "
+              + "deletes are kept in the cmroot. Set it when the application starts "
+              + "(spark-submit --conf " + (key.startsWith("fs.") ? "spark.hadoop." : "") + key
               + "=..., spark-defaults.conf, or cmroot.spark.configure()).");
         }
       }
