@@ -172,7 +172,10 @@ public final class Cmroot {
 
   // -- paths ------------------------------------------------------------------------------
 
-  /** An absolute, normalized local path for file:/..., file:///... or /...; null otherwise. */
+  /**
+   * An absolute, normalized local path, its parent directories' symlinks resolved (see
+   * {@link #real}), for file:/..., file:///... or /...; null otherwise.
+   */
   public static String localPath(String pathOrUri) {
     if (pathOrUri == null || pathOrUri.isEmpty()) {
       return null;
@@ -190,28 +193,92 @@ public final class Cmroot {
     if (p == null || p.isEmpty()) {
       return null;
     }
-    return Paths.get(p).toAbsolutePath().normalize().toString();
+    return real(Paths.get(p).toAbsolutePath().normalize(), false);
+  }
+
+  /**
+   * `p` with its symlinks resolved: the real path of its longest existing prefix, then the
+   * rest as named. Without `followLast` its last component stays as named (a delete of a
+   * symlink removes the link, not its target). Paths are compared, and sent to the daemon,
+   * this way: a root or a table reached through a symlinked directory is still that root or
+   * table, never "outside the roots".
+   */
+  static String real(Path p, boolean followLast) {
+    Path name = p.getFileName();
+    if (!followLast && name != null && p.getParent() != null) {
+      return Paths.get(real(p.getParent(), true)).resolve(name).toString();
+    }
+    Path existing = p;
+    Path rest = null;
+    while (existing != null) {
+      try {
+        Path r = existing.toRealPath();
+        return (rest == null ? r : r.resolve(rest)).normalize().toString();
+      } catch (IOException e) {
+        Path last = existing.getFileName();
+        if (last == null) {
+          break;
+        }
+        rest = rest == null ? last : last.resolve(rest);
+        existing = existing.getParent();
+      }
+    }
+    return p.toString();
   }
 
   static boolean under(String path, String root) {
     return path.equals(root) || path.startsWith(root.endsWith("/") ? root : root + "/");
   }
 
+  // The staging directories Spark and Hive create inside a job's output, by their exact
+  // shapes: a user's table or partition directory is never taken for one (a table named
+  // `_temporary_orders` or `.hive-staging-x` is data). Spark's dynamic overwrite stages in
+  // .spark-staging-<job UUID>; Hive (and Spark's HiveTempPath) in
+  // .hive-staging_hive_<yyyy-MM-dd_HH-mm-ss_SSS>_<random>-<task runner id>.
+  private static final java.util.regex.Pattern SPARK_STAGING = java.util.regex.Pattern.compile(
+      "\\.spark-staging-\\p{XDigit}{8}-\\p{XDigit}{4}-\\p{XDigit}{4}-\\p{XDigit}{4}-"
+          + "\\p{XDigit}{12}");
+  private static final java.util.regex.Pattern HIVE_STAGING = java.util.regex.Pattern.compile(
+      "\\.hive-staging_hive_\\d{4}-\\d{2}-\\d{2}_\\d{2}-\\d{2}-\\d{2}_\\d{3}_-?\\d+-\\d+");
+  // Hadoop's FileOutputCommitter writes under <output>/_temporary/<application attempt>/.
+  private static final java.util.regex.Pattern ATTEMPT = java.util.regex.Pattern.compile(
+      "\\d+");
+
   /** Spark's and Hive's own temporary and staging paths, never recycled. */
   public static boolean isTemporary(String path) {
-    for (String seg : path.split("/")) {
-      if (isTemporaryName(seg)) {
+    String[] segs = path.split("/");
+    for (int i = 0; i < segs.length; i++) {
+      if (isStagingName(segs[i])) {
+        return true;
+      }
+      if (segs[i].equals("_temporary") && (i + 1 < segs.length
+          ? ATTEMPT.matcher(segs[i + 1]).matches() : isCommitterTemporary(new File(path)))) {
         return true;
       }
     }
     return false;
   }
 
-  static boolean isTemporaryName(String seg) {
-    return seg.equals("_temporary")
-        || seg.startsWith(".spark-staging-")
-        || seg.startsWith(".hive-staging")
-        || seg.startsWith("_temporary_");
+  static boolean isStagingName(String seg) {
+    return SPARK_STAGING.matcher(seg).matches() || HIVE_STAGING.matcher(seg).matches();
+  }
+
+  /**
+   * A `_temporary` directory as FileOutputCommitter lays it out: only application-attempt
+   * directories (0, 1, ...) in it. A table called `_temporary` holds data files or k=v
+   * directories, so it is not one.
+   */
+  static boolean isCommitterTemporary(File dir) {
+    File[] children = dir.listFiles();
+    if (children == null || children.length == 0) {
+      return false;
+    }
+    for (File c : children) {
+      if (!c.isDirectory() || !ATTEMPT.matcher(c.getName()).matches()) {
+        return false;
+      }
+    }
+    return true;
   }
 
   /** Hadoop's hidden names (".x.crc", "_SUCCESS"): never data of a table. */
@@ -231,7 +298,7 @@ public final class Cmroot {
     }
     for (File f : children) {
       String n = f.getName();
-      if (isHiddenName(n) || isTemporaryName(n)) {
+      if (isHiddenName(n)) { // Spark's and Hive's staging names are all hidden ones
         continue;
       }
       if (f.isDirectory()) {
@@ -239,7 +306,7 @@ public final class Cmroot {
           out.addAll(dataFiles(f, true, mark));
         }
       } else if (f.isFile() && (mark == null || n.contains(mark))) {
-        out.add(localPath(f.getPath()));
+        out.add(f.getPath()); // under `dir`, already a real path
       }
     }
     java.util.Collections.sort(out);
@@ -268,13 +335,17 @@ public final class Cmroot {
     return false;
   }
 
-  /** The warehouse root that `path` is, or contains; null if none. */
+  /**
+   * The warehouse root that `path` is, or contains, null if none; also when `path` is a
+   * symlink to one of them (removing an alias of the warehouse is refused all the same).
+   */
   static String rootWithin(String path, Settings s) {
     if (path == null || !s.enabled) {
       return null;
     }
+    String target = real(Paths.get(path), true);
     for (String root : s.roots) {
-      if (under(root, path)) {
+      if (under(root, path) || under(root, target)) {
         return root;
       }
     }
@@ -314,7 +385,7 @@ public final class Cmroot {
       @Override
       public java.nio.file.FileVisitResult preVisitDirectory(Path d,
           java.nio.file.attribute.BasicFileAttributes a) {
-        return !d.equals(root) && isTemporaryName(d.getFileName().toString())
+        return !d.equals(root) && isTemporary(d.toString())
             ? java.nio.file.FileVisitResult.SKIP_SUBTREE
             : java.nio.file.FileVisitResult.CONTINUE;
       }
