@@ -47,6 +47,7 @@ CLASSES = {
     "commit_protocol": f"{PACKAGE}.CmrootCommitProtocol",
     "metastore_listener": f"{PACKAGE}.CmrootMetastoreListener",
     "metastore_events": f"{PACKAGE}.CmrootMetastoreEvents",
+    "metastore_restage": f"{PACKAGE}.CmrootMetastoreRestage",
 }
 DEFAULT_URL = "http://127.0.0.1:9750"
 # Keys whose values are lists: configure() appends to what the builder already has.
@@ -54,6 +55,7 @@ _LIST_KEYS = {
     "spark.sql.extensions": ",",
     "spark.hadoop.hive.metastore.pre.event.listeners": ",",
     "spark.hadoop.hive.metastore.event.listeners": ",",
+    "spark.hadoop.hive.metastore.transactional.event.listeners": ",",
     "spark.driver.extraClassPath": os.pathsep,
     "spark.executor.extraClassPath": os.pathsep,
 }
@@ -172,6 +174,8 @@ def spark_conf(
         "spark.sql.sources.commitProtocolClass": CLASSES["commit_protocol"],
         "spark.hadoop.hive.metastore.pre.event.listeners": CLASSES["metastore_listener"],
         "spark.hadoop.hive.metastore.event.listeners": CLASSES["metastore_events"],
+        "spark.hadoop.hive.metastore.transactional.event.listeners": CLASSES[
+            "metastore_restage"],
         "spark.cmroot.url": (url or os.environ.get("CMROOT_URL") or DEFAULT_URL).rstrip("/"),
         "spark.cmroot.enabled": _bool(enabled),
         "spark.cmroot.failOpen": _bool(fail_open),

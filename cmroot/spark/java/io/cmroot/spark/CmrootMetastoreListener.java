@@ -117,7 +117,8 @@ public class CmrootMetastoreListener extends MetaStorePreEventListener {
     return "true".equalsIgnoreCase(auto);
   }
 
-  private void dropTable(Table t) throws IOException {
+  /** Stage the data of a dropped table (again: only what is left is staged). */
+  void dropTable(Table t) throws IOException {
     if (!managed(t) || t.getSd() == null) {
       return;
     }
@@ -135,7 +136,8 @@ public class CmrootMetastoreListener extends MetaStorePreEventListener {
         "DROP_TABLE");
   }
 
-  private void dropPartition(Table t, Partition p) throws IOException {
+  /** Stage the data of a dropped partition (again: only what is left is staged). */
+  void dropPartition(Table t, Partition p) throws IOException {
     if (!managed(t) || p.getSd() == null) {
       return;
     }
@@ -164,8 +166,11 @@ public class CmrootMetastoreListener extends MetaStorePreEventListener {
       }
       st.markStaged(key);
     } else {
-      CmrootTransaction tx = new CmrootTransaction(s, op, t.getDbName(), t.getTableName(),
-          purge(t), location, "the drop of " + what);
+      CmrootTransaction tx = PENDING.get().get(key); // staged by the pre-event: join it
+      if (tx == null) {
+        tx = new CmrootTransaction(s, op, t.getDbName(), t.getTableName(), purge(t), location,
+            "the drop of " + what);
+      }
       if (!tx.prepare(Cmroot.contents(dir), parts, what)) {
         return;
       }

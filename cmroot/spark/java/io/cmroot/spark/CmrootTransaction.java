@@ -31,8 +31,6 @@ final class CmrootTransaction {
   // Paths per prepare request: far below the daemon's 100,000 items and 64 MiB body, so a
   // large overwrite is a few joined parts, not one refused request (nor one per file).
   private static final int PATHS_PER_REQUEST = 10_000;
-  // Files resolved to tell a lost commit answer from a rolled-back transaction.
-  private static final int RESOLVE_SAMPLE = 1_000;
 
   private static final ScheduledExecutorService RENEWER =
       Executors.newSingleThreadScheduledExecutor(r -> {
@@ -52,6 +50,7 @@ final class CmrootTransaction {
   private volatile String txid; // null until the daemon answered the first prepare
   private List<JsonNode> files = List.of(); // every file staged so far, with its checksum
   private boolean finished;
+  private boolean committed;
   private ScheduledFuture<?> renewal;
 
   /** `what` names the statement's change in messages ("table db.t", "the overwrite of P"). */
@@ -141,6 +140,11 @@ final class CmrootTransaction {
     }
     String msg = "cmroot could not recycle " + part + " (op " + op + ", " + paths.size()
         + " path(s), first " + paths.get(0) + "): " + a.problem;
+    if (txid != null && a.status == 409) { // committed already: this part is too late
+      finish();
+      throw new Cmroot.RecycleException(msg + ". The statement's recycle was already "
+          + "committed; this part was not deleted. Run the statement again.", a.cause);
+    }
     if (txid != null) {
       // A part of a transaction already holding files: the daemon rolled it all back when it
       // refused; if it did not answer, take no chances and abort.
@@ -176,24 +180,30 @@ final class CmrootTransaction {
 
   /**
    * Publish every staged file with the transaction's one event. Retried while the daemon
-   * cannot be reached or is overloaded. Throws when it could not be published; the files are
-   * then put back (now, or by the daemon when the lease passes).
+   * cannot be reached or is overloaded: the daemon's commit is idempotent (a commit sent again
+   * after its answer was lost gets the same event), so 200 always means committed and 404
+   * always means rolled back. Throws when it was not published; the files are then back in
+   * place (now, or by the daemon when the lease passes), never silently.
    */
   synchronized void commit() throws Cmroot.RecycleException {
-    if (txid == null || finished) {
+    if (txid == null || committed) {
       return;
+    }
+    if (finished) { // a later part was refused (the daemon rolled it all back) or aborted
+      throw rolledBack("a part of it was refused or it was aborted", null);
     }
     Cmroot.Answer a = null;
     long backoff = FIRST_BACKOFF_MS;
     for (int attempt = 1; attempt <= COMMIT_ATTEMPTS; attempt++) {
       a = Cmroot.post("/v1/transactions/" + txid + "/commit", Map.of(), s, CALL_TIMEOUT);
-      if (a.ok || (a.status == 404 && attempt > 1 && committedMeanwhile())) {
-        finish();
-        if (Cmroot.LOG.isDebugEnabled()) {
-          Cmroot.LOG.debug("cmroot: committed {} (transaction {}, {} files)", what, txid,
-              files.size());
-        }
+      if (a.ok) {
+        committed();
         return;
+      }
+      if (a.status == 404) {
+        finish();
+        throw rolledBack(a.problem + " (its lease of " + s.leaseSeconds + " s passed, or it "
+            + "was aborted)", a.cause);
       }
       if (a.status != 0 && a.status != 503) {
         break; // refused: retrying cannot help
@@ -207,15 +217,33 @@ final class CmrootTransaction {
     }
     String msg = "cmroot could not commit the recycle of " + what + " (op " + op
         + ", transaction " + txid + ", " + files.size() + " file(s)): " + a.problem;
-    if (a.status == 404) {
-      msg += " (its lease of " + s.leaseSeconds + " s passed, or it was aborted: the daemon "
-          + "put the files back)";
-    } else {
-      abort("its commit failed");
+    if (abortAnswer("its commit failed") == 409) {
+      committed(); // the commit did go through; only its answers were lost
+      return;
     }
-    finish();
     Cmroot.LOG.error(msg);
-    throw new Cmroot.RecycleException(msg + ". No event was recorded for it.", a.cause);
+    throw new Cmroot.RecycleException(msg + ". No event was recorded for it; its files are "
+        + "back in place (or will be when its lease passes). Run the statement again.",
+        a.cause);
+  }
+
+  private void committed() {
+    committed = true;
+    finish();
+    if (Cmroot.LOG.isDebugEnabled()) {
+      Cmroot.LOG.debug("cmroot: committed {} (transaction {}, {} files)", what, txid,
+          files.size());
+    }
+  }
+
+  /** The error of a transaction the daemon rolled back: the statement did not take effect. */
+  private Cmroot.RecycleException rolledBack(String why, Throwable cause) {
+    String msg = "cmroot: the recycle of " + what + " (op " + op + ", transaction " + txid
+        + ", " + files.size() + " file(s)) was rolled back by the daemon: " + why
+        + ". Its files are back in place and no event was recorded, so the statement did "
+        + "not take effect as a unit: run it again";
+    Cmroot.LOG.error(msg);
+    return new Cmroot.RecycleException(msg, cause);
   }
 
   /**
@@ -223,8 +251,13 @@ final class CmrootTransaction {
    * back itself when the lease passes (no renewals come from here any more).
    */
   synchronized void abort(String why) {
+    abortAnswer(why);
+  }
+
+  /** abort(why), returning the daemon's status (409: it was committed; 0: no answer). */
+  private int abortAnswer(String why) {
     if (txid == null || finished) {
-      return;
+      return 404;
     }
     finish();
     Cmroot.Answer a = Cmroot.post("/v1/transactions/" + txid + "/abort", Map.of(), s,
@@ -232,12 +265,16 @@ final class CmrootTransaction {
     if (a.ok || a.status == 404) {
       Cmroot.LOG.info("cmroot: aborted the recycle of {} (transaction {}, {} file(s) put back): "
           + "{}", what, txid, files.size(), why);
-      return;
+    } else if (a.status == 409) {
+      Cmroot.LOG.warn("cmroot: the recycle of {} (transaction {}) was already committed; not "
+          + "aborted after {}", what, txid, why);
+    } else {
+      Cmroot.LOG.error("cmroot could not abort the recycle of {} (transaction {}, {} file(s)) "
+          + "after {}: {}. The daemon puts the files back itself when the transaction's lease "
+          + "passes, at most {} s from now (no more renewals are sent).", what, txid,
+          files.size(), why, a.problem, s.leaseSeconds);
     }
-    Cmroot.LOG.error("cmroot could not abort the recycle of {} (transaction {}, {} file(s)) "
-        + "after {}: {}. The daemon puts the files back itself when the transaction's lease "
-        + "passes, at most {} s from now (no more renewals are sent).", what, txid,
-        files.size(), why, a.problem, s.leaseSeconds);
+    return a.status;
   }
 
   private void finish() {
@@ -258,34 +295,6 @@ final class CmrootTransaction {
     } else if (!a.ok) {
       Cmroot.LOG.warn("cmroot: renewing the lease of transaction {}: {}; trying again", id,
           a.problem);
-    }
-  }
-
-  /**
-   * After a commit whose answer was lost, a retry finds the transaction gone: committed, or
-   * rolled back? Committed if every staged file resolves to the cmroot (none back in place).
-   */
-  private boolean committedMeanwhile() {
-    if (files.isEmpty()) {
-      return false;
-    }
-    List<Map<String, String>> pairs = new ArrayList<>();
-    for (JsonNode f : files.subList(0, Math.min(files.size(), RESOLVE_SAMPLE))) {
-      pairs.add(Map.of("path", f.path("path").asText(), "checksum", f.path("checksum").asText()));
-    }
-    Cmroot.Answer a = Cmroot.post("/v1/resolve", Map.of("files", pairs), s, CALL_TIMEOUT);
-    if (!a.ok) {
-      return false;
-    }
-    try {
-      for (JsonNode r : a.json().path("files")) {
-        if (!"cmroot".equals(r.path("status").asText())) {
-          return false;
-        }
-      }
-      return true;
-    } catch (java.io.IOException e) {
-      return false;
     }
   }
 
