@@ -31,7 +31,14 @@ from prometheus_client import CollectorRegistry
 
 from cmroot import config as cfg
 from cmroot.exceptions import ConfigError, Conflict
-from cmroot.server.app import SEND_IDLE, Handler, Service, create_app, error_response
+from cmroot.server.app import (
+    LIMITS,
+    SEND_IDLE,
+    Handler,
+    Service,
+    create_app,
+    error_response,
+)
 from cmroot.server.auth import Tokens, unix_peer_uid
 from cmroot.server.systemd import Notifier
 from cmroot.store import Store
@@ -55,8 +62,10 @@ WRITE_WATCH_EVERY = 5.0  # seconds between looks for answers no client is taking
 # Connections the kernel queues while the daemon is busy; asyncio also accepts up to this
 # many in one go, before the connection cap is looked at, so the cap leaves room for them.
 BACKLOG = 128
-# Descriptors kept out of the connection cap for the store: SQLite, staging, hashing.
-FD_RESERVE = 64
+# Descriptors kept out of the connection cap for the store: a base for SQLite's writer,
+# staging and the process itself, and four per worker thread (its SQLite reader and WAL,
+# the file it opens, a hashing pool's).
+FD_RESERVE = 64 + 4 * sum(limit.workers for limit in LIMITS.values())
 EXTEND_EVERY = 10.0  # seconds between start-timeout extensions while the store opens
 _BUSY_BODY = json.dumps(
     {"error": "too many connections", "detail": "every connection is busy: retry shortly"}
