@@ -25,15 +25,19 @@ import org.apache.spark.sql.execution.datasources.SQLHadoopMapReduceCommitProtoc
  * <p>For {@code INSERT OVERWRITE} (and {@code mode("overwrite")}) Spark deletes the old
  * partition directories before it writes the new data. Here that delete only takes a snapshot:
  * the files under the path at that moment. At job commit exactly those files are prepared for
- * recycling in one all-or-nothing request, then the job commits, then the recycle is
- * committed; if the job commit fails the recycle is aborted and the old files are back. So an
+ * recycling in one all-or-nothing request, then the job commits. The recycle joins the
+ * running statement's transaction ({@link CmrootStatement}) and is committed when the whole
+ * statement succeeded, so a failure after the job commit (the metastore refusing the new
+ * partitions, another insert of a multi-insert, a commit the daemon rolled back) puts the old
+ * files back and removes the ones this job committed; outside a statement it is committed
+ * right after the job commit. If the job commit fails the old files are back. So an
  * overwrite never recycles its own output (with FileOutputCommitter v2 the tasks commit
  * straight into the table directory, long before the job commits) nor a file another writer
  * added after the delete was asked. A job that fails before its commit never touched the old
  * files. With dynamic partition overwrite the partitions the job replaces are recycled the
  * same way, listed at job commit, while the new files still wait in Spark's staging directory.
  *
- * <p>After the job committed, the new data files of a table under the warehouse roots are
+ * <p>After the recycle committed, the new data files of a table under the warehouse roots are
  * recorded as one INSERT event (after the overwrite's recycle, the order replication replays).
  * Known gap: a Hive SerDe table Spark does not convert (e.g. STORED AS TEXTFILE) is written
  * to a Hive staging directory and moved in by Hive's loadTable; that INSERT is not recorded.
@@ -100,36 +104,79 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     } catch (IOException e) {
       throw new UncheckedIOException(e);
     }
-    CmrootTransaction tx = list.isEmpty() || !s.enabled ? null : transaction(s, base);
+    // Inside a statement the recycle joins the statement's transaction, committed when the
+    // whole statement succeeded (a failure after the job commit, such as the metastore
+    // refusing the new partitions, puts the old files back); outside one it is its own.
+    CmrootStatement st = CmrootStatement.current();
+    CmrootTransaction own = null;
+    boolean staging = !list.isEmpty() && s.enabled;
     try {
-      if (tx != null && !tx.prepare(list, partitions(list, base), "the overwrite of "
-          + outputPath)) {
-        deleteFailedOpen(jobContext, list);
-        tx = null;
-      }
-      if (tx != null) {
-        CmrootFaults.afterPrepare("the job commit of " + outputPath);
+      if (staging) {
+        own = st == null ? transaction(s, base) : null;
+        if (!stage(st, own, list, base)) {
+          deleteFailedOpen(jobContext, list);
+          own = null;
+        } else {
+          CmrootFaults.afterPrepare("the job commit of " + outputPath);
+        }
       }
       super.commitJob(jobContext, taskCommits);
     } catch (Throwable e) {
-      if (tx != null) {
-        tx.abort("the job commit of " + outputPath + " failed: " + e);
+      if (own != null) {
+        own.abort("the job commit of " + outputPath + " failed: " + e);
       }
       throw Cmroot.unchecked(e);
     }
-    if (tx != null) {
-      try {
-        tx.commit();
-      } catch (Cmroot.RecycleException e) {
-        throw new UncheckedIOException(e);
-      }
-    }
-    for (String d : deletedDirs) {
-      Cmroot.removeEmptyDirectories(new File(d)); // what Spark's delete would not have left
-    }
+    List<String> emptied = new ArrayList<>(deletedDirs);
     deletedDirs.clear();
     snapshot.clear();
-    recordInsert(s, base);
+    CmrootStatement.Action done = () -> {
+      for (String d : emptied) {
+        Cmroot.removeEmptyDirectories(new File(d)); // what Spark's delete would not have left
+      }
+      recordInsert(s, base);
+    };
+    try {
+      if (st != null && staging) { // (a CTAS replaces nothing: its INSERT waits for its table)
+        st.afterCommit(done);
+      } else {
+        if (own != null) {
+          own.commit();
+        }
+        done.run();
+      }
+    } catch (IOException e) {
+      throw new UncheckedIOException(e);
+    }
+  }
+
+  /** Prepare the overwrite's recycle in the statement, or in `own`; false if failed open. */
+  private boolean stage(CmrootStatement st, CmrootTransaction own, List<String> list,
+      String base) throws IOException {
+    String what = "the overwrite of " + outputPath;
+    if (st == null) {
+      return own.prepare(list, partitions(list, base), what);
+    }
+    Cmroot.Ctx c = ctx == null || base == null ? null : ctx.appliesTo(base);
+    String db = c == null ? null : c.db;
+    String table = c == null ? null : c.table;
+    if (!st.prepare(list, "INSERT_OVERWRITE", db, table, false, partitions(list, base),
+        c == null ? null : c.location, what)) {
+      return false;
+    }
+    // If the statement fails after the job commit, the old files come back: the files this
+    // job committed must go, or the table would hold both.
+    st.onRollback("INSERT_OVERWRITE", db, table, false, () -> removeOutput(base));
+    return true;
+  }
+
+  /** Remove the data files this job committed under `base` (their names carry its id). */
+  private void removeOutput(String base) {
+    for (String p : Cmroot.dataFiles(new File(base), true, jobId)) {
+      for (String f : Cmroot.withChecksumSibling(p)) {
+        new File(f).delete(); // the job's own output: nothing any event recorded
+      }
+    }
   }
 
   private CmrootTransaction transaction(Cmroot.Settings s, String base) {
@@ -164,7 +211,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
    * One INSERT event for the files this job wrote (their names carry its job id) into the
    * table of the statement. A CTAS's waits for the metastore listener to record the table.
    */
-  private void recordInsert(Cmroot.Settings s, String base) {
+  private void recordInsert(Cmroot.Settings s, String base) throws Cmroot.EventException {
     Cmroot.Ctx c = ctx == null || base == null ? null : ctx.appliesTo(base);
     if (c == null || c.table == null || !Cmroot.protectedPath(base, s)) {
       return;
@@ -194,11 +241,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
       st.deferInsert(c.db, c.table, body);
       return;
     }
-    try {
-      Cmroot.addEvent(body, s, "the insert into " + c.db + "." + c.table);
-    } catch (Cmroot.EventException e) {
-      throw new UncheckedIOException(e);
-    }
+    Cmroot.addEvent(body, s, "the insert into " + c.db + "." + c.table);
   }
 
   @Override

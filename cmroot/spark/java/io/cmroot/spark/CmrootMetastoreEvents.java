@@ -221,8 +221,19 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     return body;
   }
 
+  /**
+   * Record `body` now, or, inside a statement, once its recycles are settled: a replica
+   * replays the log in order, so the metadata changes a statement made (the partitions an
+   * overwrite added and emptied) follow its INSERT_OVERWRITE and INSERT. They are recorded
+   * when the statement fails too: the metastore made them.
+   */
   private static void record(Map<String, Object> body, Cmroot.Settings s, String what)
       throws MetaException {
+    CmrootStatement st = CmrootStatement.current();
+    if (st != null) {
+      st.afterEnd(() -> Cmroot.addEvent(body, s, what));
+      return;
+    }
     try {
       Cmroot.addEvent(body, s, what);
     } catch (IOException ex) {

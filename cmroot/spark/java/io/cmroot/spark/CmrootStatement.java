@@ -15,6 +15,11 @@ import java.util.concurrent.ConcurrentHashMap;
  * unit). {@link CmrootStatementCommand} opens one around each destructive command, with
  * try/finally, so a statement's context never outlives it.
  *
+ * <p>A statement opened while another runs on the thread (each insert of a multi-insert,
+ * wrapped inside the statement of the whole) has its own context but is part of the outer
+ * one: its recycles join the outer statement's transactions and are committed or aborted
+ * with them.
+ *
  * <p>The current statement is inherited by threads started while it runs (Hive deletes a
  * table's old files from a pool it starts for the call); a thread that outlives it finds it
  * closed and ignores it.
@@ -26,6 +31,8 @@ public final class CmrootStatement {
   final Cmroot.Ctx ctx;
   private final Cmroot.Settings s;
   private final CmrootStatement outer;
+  // The outermost statement: the unit that holds, commits and aborts every recycle.
+  private final CmrootStatement unit;
   private final Map<String, CmrootTransaction> txs = new LinkedHashMap<>();
   // Drops (table or partition keys) whose data this statement staged: the metastore's
   // post-event then has no metadata-only drop to record.
@@ -33,6 +40,12 @@ public final class CmrootStatement {
   // A CTAS writes its files before it creates its table: its INSERT event waits here, keyed
   // db.table, until the metastore listener has recorded the CREATE_TABLE.
   private final Map<String, Map<String, Object>> deferredInserts = new ConcurrentHashMap<>();
+  // What runs once every recycle of the statement is committed (a write's INSERT event, the
+  // removal of the directories an overwrite emptied), in the order it was added.
+  private final List<Pending> afterCommit = new ArrayList<>();
+  // What undoes a write whose recycle is rolled back (keyed like txs): an overwrite's job
+  // committed its new files next to the old ones, which the rollback puts back.
+  private final Map<String, List<Action>> undo = new LinkedHashMap<>();
   private volatile boolean open = true;
   private volatile String failure;
 
@@ -40,6 +53,7 @@ public final class CmrootStatement {
     this.ctx = ctx;
     this.s = s;
     this.outer = outer;
+    this.unit = outer == null ? this : outer.unit;
   }
 
   /** Open a statement on this thread; {@link #close} it in a finally block. */
@@ -68,31 +82,32 @@ public final class CmrootStatement {
   boolean prepare(List<String> paths, String op, String db, String table, boolean purge,
       List<Map<String, String>> partitions, String location, String part)
       throws Cmroot.RecycleException {
-    if (failure != null) {
-      throw new Cmroot.RecycleException("cmroot: " + failure, null);
+    CmrootStatement u = unit;
+    if (u.failure != null) {
+      throw new Cmroot.RecycleException("cmroot: " + u.failure, null);
     }
     CmrootTransaction tx;
-    synchronized (txs) {
-      tx = txs.computeIfAbsent(CmrootTransaction.key(op, db, table, purge),
+    synchronized (u.txs) {
+      tx = u.txs.computeIfAbsent(CmrootTransaction.key(op, db, table, purge),
           k -> new CmrootTransaction(s, op, db, table, purge, location, "the statement " + ctx));
     }
     return tx.prepare(paths, partitions, part);
   }
 
   void markStaged(String dropKey) {
-    staged.add(dropKey);
+    unit.staged.add(dropKey);
   }
 
   boolean staged(String dropKey) {
-    return staged.contains(dropKey);
+    return unit.staged.contains(dropKey);
   }
 
   void deferInsert(String db, String table, Map<String, Object> body) {
-    deferredInserts.put(Cmroot.tableKey(db, table), body);
+    unit.deferredInserts.put(Cmroot.tableKey(db, table), body);
   }
 
   Map<String, Object> takeDeferredInsert(String db, String table) {
-    return deferredInserts.remove(Cmroot.tableKey(db, table));
+    return unit.deferredInserts.remove(Cmroot.tableKey(db, table));
   }
 
   /**
@@ -100,40 +115,144 @@ public final class CmrootStatement {
    * drop to its post-event listeners): put everything back now; the commit then fails.
    */
   void fail(String why) {
-    failure = why;
-    abort(why);
+    unit.failure = why;
+    unit.abort(why);
   }
 
-  /** Publish every prepared recycle of the statement, in the order they were opened. */
+  /** Work that follows the statement's commit, or undoes a write; it may throw. */
+  interface Action {
+    void run() throws java.io.IOException;
+  }
+
+  /** An action waiting for the statement's end; `always`: also when the statement fails. */
+  private static final class Pending {
+    final Action action;
+    final boolean always;
+
+    Pending(Action action, boolean always) {
+      this.action = action;
+      this.always = always;
+    }
+  }
+
+  /** Run `action` once the statement's recycles are committed; never if it fails. */
+  void afterCommit(Action action) {
+    synchronized (unit.afterCommit) {
+      unit.afterCommit.add(new Pending(action, false));
+    }
+  }
+
+  /**
+   * Run `action` (recording a change already made) when the statement ends: after its
+   * recycles were committed, in the order of {@link #afterCommit}; after they were put back
+   * when it fails.
+   */
+  void afterEnd(Action action) {
+    synchronized (unit.afterCommit) {
+      unit.afterCommit.add(new Pending(action, true));
+    }
+  }
+
+  /** Take the pending actions (only those run on failure too, unless `committed`). */
+  private List<Action> takePending(boolean committed) {
+    List<Action> out = new ArrayList<>();
+    synchronized (afterCommit) {
+      for (Pending p : afterCommit) {
+        if (committed || p.always) {
+          out.add(p.action);
+        }
+      }
+      afterCommit.clear();
+    }
+    return out;
+  }
+
+  /** Run `action` if the recycle (op, db, table, purge) of the statement is rolled back. */
+  void onRollback(String op, String db, String table, boolean purge, Action action) {
+    synchronized (unit.txs) {
+      unit.undo.computeIfAbsent(CmrootTransaction.key(op, db, table, purge),
+          k -> new ArrayList<>()).add(action);
+    }
+  }
+
+  /**
+   * Publish every prepared recycle of the statement, in the order they were opened, then run
+   * what waits for that ({@link #afterCommit}). A statement nested in another leaves that to
+   * the outer one.
+   */
   void commit() throws Cmroot.RecycleException {
+    if (unit != this) {
+      return;
+    }
     if (failure != null) {
       abort(failure);
       throw new Cmroot.RecycleException("cmroot: " + failure + "; nothing was recycled", null);
     }
-    List<CmrootTransaction> all;
+    List<Map.Entry<String, CmrootTransaction>> all;
     synchronized (txs) {
-      all = new ArrayList<>(txs.values());
+      all = new ArrayList<>(txs.entrySet());
     }
     for (int i = 0; i < all.size(); i++) {
       try {
-        all.get(i).commit();
+        all.get(i).getValue().commit();
       } catch (Cmroot.RecycleException e) {
-        for (CmrootTransaction later : all.subList(i + 1, all.size())) {
-          later.abort("an earlier recycle of the statement could not be committed");
+        for (Map.Entry<String, CmrootTransaction> later : all.subList(i + 1, all.size())) {
+          later.getValue().abort("an earlier recycle of the statement could not be committed");
         }
+        undo(all.subList(i, all.size()), e);
+        recordAfterFailure();
         throw e;
+      }
+    }
+    for (Action a : takePending(true)) {
+      try {
+        a.run();
+      } catch (java.io.IOException e) {
+        throw Cmroot.unchecked(e);
       }
     }
   }
 
   /** Put back every file the statement staged (never throws; see CmrootTransaction.abort). */
   void abort(String why) {
-    List<CmrootTransaction> all;
-    synchronized (txs) {
-      all = new ArrayList<>(txs.values());
+    CmrootStatement u = unit;
+    List<Map.Entry<String, CmrootTransaction>> all;
+    synchronized (u.txs) {
+      all = new ArrayList<>(u.txs.entrySet());
     }
-    for (CmrootTransaction tx : all) {
-      tx.abort(why);
+    for (Map.Entry<String, CmrootTransaction> tx : all) {
+      tx.getValue().abort(why);
+    }
+    u.undo(all, null);
+    u.recordAfterFailure();
+  }
+
+  /** A failed statement still records the changes it made (logged when it cannot). */
+  private void recordAfterFailure() {
+    for (Action a : takePending(false)) {
+      try {
+        a.run();
+      } catch (java.io.IOException | RuntimeException e) {
+        Cmroot.LOG.error("cmroot: {}", e.getMessage());
+      }
+    }
+  }
+
+  /** Undo the writes of the rolled-back transactions `rolledBack` (once each; logged). */
+  private void undo(List<Map.Entry<String, CmrootTransaction>> rolledBack, Exception cause) {
+    for (Map.Entry<String, CmrootTransaction> tx : rolledBack) {
+      List<Action> actions;
+      synchronized (txs) {
+        actions = undo.remove(tx.getKey());
+      }
+      for (Action a : actions == null ? List.<Action>of() : actions) {
+        try {
+          a.run();
+        } catch (java.io.IOException | RuntimeException e) {
+          Cmroot.LOG.error("cmroot: could not undo a write of {} after its recycle was rolled "
+              + "back ({}): {}", tx.getValue(), cause, e.toString());
+        }
+      }
     }
   }
 
