@@ -2,6 +2,7 @@ package io.cmroot.spark;
 
 import java.io.File;
 import java.io.IOException;
+import java.math.BigDecimal;
 import java.util.ArrayList;
 import java.util.LinkedHashMap;
 import java.util.List;
@@ -16,6 +17,10 @@ import org.apache.spark.sql.catalyst.catalog.CatalogTablePartition;
 import org.apache.spark.sql.catalyst.catalog.CatalogTableType;
 import org.apache.spark.sql.catalyst.catalog.SessionCatalog;
 import org.apache.spark.sql.execution.command.AlterTableDropPartitionCommand;
+import org.apache.spark.sql.types.DataType;
+import org.apache.spark.sql.types.DataTypes;
+import org.apache.spark.sql.types.NumericType;
+import org.apache.spark.sql.types.StructField;
 import scala.Option;
 import scala.jdk.javaapi.CollectionConverters;
 
@@ -60,8 +65,7 @@ final class CmrootDropPartitions {
       if (normalized == null) {
         return; // not a partition column: the command itself says so
       }
-      for (CatalogTablePartition p : CollectionConverters.asJava(
-          catalog.listPartitions(qualified, Option.apply(normalized)))) {
+      for (CatalogTablePartition p : matching(catalog, table, qualified, normalized)) {
         String loc = Cmroot.localPath(String.valueOf(p.location()));
         Cmroot.refuseRootRemoval(loc, s, "the drop of partition");
         if (!Cmroot.protectedPath(loc, s) || !Cmroot.holdsFiles(new File(loc).toPath())) {
@@ -89,6 +93,57 @@ final class CmrootDropPartitions {
       keys.forEach(st::markStaged);
       CmrootFaults.afterPrepare("the drop of " + what);
     }
+  }
+
+  /**
+   * The partitions `spec` names, as the drop will find them: the metastore's match of the
+   * spec as written, else the spec's values compared as the columns' numbers (Spark drops
+   * PARTITION (p='03') of an INT column as p=3, which a match of the text "03" misses; a
+   * partition missed here would be staged only when the metastore reaches it, after earlier
+   * ones had already left the catalog).
+   */
+  private static List<CatalogTablePartition> matching(SessionCatalog catalog,
+      CatalogTable table, TableIdentifier qualified,
+      scala.collection.immutable.Map<String, String> spec) {
+    List<CatalogTablePartition> exact = CollectionConverters.asJava(
+        catalog.listPartitions(qualified, Option.apply(spec)));
+    if (!exact.isEmpty()) {
+      return exact;
+    }
+    List<CatalogTablePartition> out = new ArrayList<>();
+    for (CatalogTablePartition p : CollectionConverters.asJava(
+        catalog.listPartitions(qualified, Option.empty()))) {
+      boolean all = true;
+      for (scala.Tuple2<String, String> kv : CollectionConverters.asJava(spec.toList())) {
+        String have = p.spec().getOrElse(kv._1(), () -> null);
+        all &= have != null && sameValue(kv._2(), have, type(table, kv._1()));
+      }
+      if (all) {
+        out.add(p);
+      }
+    }
+    return out;
+  }
+
+  private static DataType type(CatalogTable table, String column) {
+    for (StructField f : table.partitionSchema().fields()) {
+      if (f.name().equalsIgnoreCase(column)) {
+        return f.dataType();
+      }
+    }
+    return DataTypes.StringType;
+  }
+
+  /** Do `a` and `b` name the same value of a column of type `t`? */
+  private static boolean sameValue(String a, String b, DataType t) {
+    if (t instanceof NumericType) {
+      try {
+        return new BigDecimal(a.trim()).compareTo(new BigDecimal(b.trim())) == 0;
+      } catch (NumberFormatException e) {
+        return false;
+      }
+    }
+    return a.equals(b);
   }
 
   /** `spec` with its keys spelled as the table's partition columns; null if one is not. */
