@@ -496,6 +496,9 @@ public final class Cmroot {
    * whether it creates the table it writes (a CTAS). op "INSERT" is an append.
    */
   public static final class Ctx {
+    /** The statement of a multi-insert as a whole: each insert in it has its own context. */
+    static final Ctx MULTI_INSERT = new Ctx("MULTI_INSERT", null, null, false, null);
+
     public final String op;
     public final String db;
     public final String table;

@@ -6,6 +6,7 @@ import org.apache.spark.sql.SparkSessionExtensions;
 import org.apache.spark.sql.catalyst.analysis.ResolvedNamespace;
 import org.apache.spark.sql.catalyst.plans.logical.DropNamespace;
 import org.apache.spark.sql.catalyst.plans.logical.LogicalPlan;
+import org.apache.spark.sql.catalyst.plans.logical.Union;
 import org.apache.spark.sql.catalyst.rules.Rule;
 import org.apache.spark.sql.connector.catalog.CatalogManager;
 import org.apache.spark.sql.execution.command.DropDatabaseCommand;
@@ -25,7 +26,8 @@ import scala.runtime.BoxedUnit;
  *       ({@link CmrootCommands}) in a {@link CmrootStatementCommand}, so the command runs as
  *       one statement: its context set around it, its recycles committed together after it
  *       succeeded, aborted when it failed. A command run inside a statement (the write of a
- *       CTAS) is part of that statement and is not wrapped again.
+ *       CTAS) is part of that statement and is not wrapped again. A multi-insert (a Union of
+ *       writes) is one statement, each write nested in it with its own context.
  *   <li>a check rule refusing DROP DATABASE of a database located at a warehouse root or at
  *       a directory containing one, before anything is dropped.
  *   <li>the cmroot settings that decide whether and where files are kept
@@ -83,11 +85,32 @@ public class CmrootExtensions extends AbstractFunction1<SparkSessionExtensions, 
       if (!s.enabled) {
         return plan;
       }
+      if (plan instanceof Union) {
+        return multiInsert((Union) plan);
+      }
       Cmroot.Ctx ctx = CmrootCommands.contextOf(plan, session);
       if (s.debug) {
         Cmroot.LOG.warn("cmroot debug: statement {} -> {}", plan.getClass().getName(), ctx);
       }
       return ctx == null ? plan : new CmrootStatementCommand(plan, ctx);
+    }
+
+    /**
+     * A multi-insert ({@code FROM s INSERT ... INSERT ...}) is a Union of writes: one
+     * statement around the whole (its recycles commit together), each write in a statement
+     * nested in it for its own context (table, op).
+     */
+    private LogicalPlan multiInsert(Union union) {
+      boolean[] any = {false};
+      LogicalPlan wrapped = union.mapChildren(new AbstractFunction1<LogicalPlan, LogicalPlan>() {
+        @Override
+        public LogicalPlan apply(LogicalPlan child) {
+          Cmroot.Ctx ctx = CmrootCommands.contextOf(child, session);
+          any[0] |= ctx != null;
+          return ctx == null ? child : new CmrootStatementCommand(child, ctx);
+        }
+      });
+      return any[0] ? new CmrootStatementCommand(wrapped, Cmroot.Ctx.MULTI_INSERT) : union;
     }
   }
 
