@@ -4,6 +4,7 @@ import org.apache.spark.sql.SaveMode;
 import org.apache.spark.sql.SparkSession;
 import org.apache.spark.sql.catalyst.TableIdentifier;
 import org.apache.spark.sql.catalyst.analysis.ResolvedIdentifier;
+import org.apache.spark.sql.catalyst.catalog.CatalogStorageFormat;
 import org.apache.spark.sql.catalyst.catalog.CatalogTable;
 import org.apache.spark.sql.catalyst.plans.logical.DropTable;
 import org.apache.spark.sql.catalyst.plans.logical.LogicalPlan;
@@ -11,9 +12,11 @@ import org.apache.spark.sql.connector.catalog.Identifier;
 import org.apache.spark.sql.execution.command.AlterTableDropPartitionCommand;
 import org.apache.spark.sql.execution.command.CreateDataSourceTableAsSelectCommand;
 import org.apache.spark.sql.execution.command.DropTableCommand;
+import org.apache.spark.sql.execution.command.InsertIntoDataSourceDirCommand;
 import org.apache.spark.sql.execution.command.LoadDataCommand;
 import org.apache.spark.sql.execution.command.TruncateTableCommand;
 import org.apache.spark.sql.execution.datasources.InsertIntoHadoopFsRelationCommand;
+import org.apache.spark.sql.hive.execution.InsertIntoHiveDirCommand;
 import org.apache.spark.sql.hive.execution.InsertIntoHiveTable;
 import scala.Option;
 
@@ -70,6 +73,14 @@ final class CmrootCommands {
       return new Cmroot.Ctx(c.overwrite() ? "INSERT_OVERWRITE" : "INSERT", db(session, id),
           id.table(), false, Cmroot.localPath(String.valueOf(c.table().location())));
     }
+    if (plan instanceof InsertIntoHiveDirCommand) { // deletes the old entries one by one
+      InsertIntoHiveDirCommand c = (InsertIntoHiveDirCommand) plan;
+      return c.overwrite() ? directory(c.storage()) : null;
+    }
+    if (plan instanceof InsertIntoDataSourceDirCommand) {
+      InsertIntoDataSourceDirCommand c = (InsertIntoDataSourceDirCommand) plan;
+      return c.overwrite() ? directory(c.storage()) : null;
+    }
     if (plan instanceof CreateDataSourceTableAsSelectCommand) {
       CatalogTable table = ((CreateDataSourceTableAsSelectCommand) plan).table();
       TableIdentifier id = table.identifier();
@@ -81,6 +92,15 @@ final class CmrootCommands {
           Cmroot.localPath(String.valueOf(location)), true);
     }
     return null;
+  }
+
+  /** INSERT OVERWRITE DIRECTORY: no table, the directory's old entries are one recycle. */
+  private static Cmroot.Ctx directory(CatalogStorageFormat storage) {
+    Option<java.net.URI> uri = storage.locationUri();
+    return uri.isDefined()
+        ? new Cmroot.Ctx("INSERT_OVERWRITE", null, null, false,
+            Cmroot.localPath(String.valueOf(uri.get())))
+        : null;
   }
 
   private static Cmroot.Ctx forTable(SparkSession session, String op, TableIdentifier id,
