@@ -44,6 +44,7 @@ PACKAGE = "io.cmroot.spark"
 CLASSES = {
     "extensions": f"{PACKAGE}.CmrootExtensions",
     "filesystem": f"{PACKAGE}.CmrootLocalFileSystem",
+    "filecontext": f"{PACKAGE}.CmrootLocalFs",
     "commit_protocol": f"{PACKAGE}.CmrootCommitProtocol",
     "metastore_listener": f"{PACKAGE}.CmrootMetastoreListener",
     "metastore_events": f"{PACKAGE}.CmrootMetastoreEvents",
@@ -171,6 +172,7 @@ def spark_conf(
         "spark.executor.extraClassPath": jar,
         "spark.sql.extensions": CLASSES["extensions"],
         "spark.hadoop.fs.file.impl": CLASSES["filesystem"],
+        "spark.hadoop.fs.AbstractFileSystem.file.impl": CLASSES["filecontext"],
         "spark.sql.sources.commitProtocolClass": CLASSES["commit_protocol"],
         "spark.hadoop.hive.metastore.pre.event.listeners": CLASSES["metastore_listener"],
         "spark.hadoop.hive.metastore.event.listeners": CLASSES["metastore_events"],

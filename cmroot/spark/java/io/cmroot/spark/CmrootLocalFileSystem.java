@@ -2,14 +2,24 @@ package io.cmroot.spark;
 
 import java.io.File;
 import java.io.IOException;
+import java.nio.file.Files;
+import java.nio.file.LinkOption;
+import java.util.Arrays;
+import java.util.EnumSet;
 import java.util.List;
 import java.util.Map;
+import org.apache.hadoop.fs.CreateFlag;
+import org.apache.hadoop.fs.FSDataOutputStream;
 import org.apache.hadoop.fs.LocalFileSystem;
+import org.apache.hadoop.fs.Options;
 import org.apache.hadoop.fs.Path;
+import org.apache.hadoop.fs.permission.FsPermission;
+import org.apache.hadoop.util.Progressable;
 
 /**
  * The `file` scheme with cmroot: a delete of a path under a warehouse root (and not a Spark or
- * Hive temporary path) asks the daemon to move it into the cmroot instead, with the op, table
+ * Hive temporary path), and a create (overwrite) or rename onto an existing data file there,
+ * asks the daemon to move it into the cmroot instead, with the op, table
  * and partition of the statement running on this thread. Inside a statement the delete joins
  * the statement's prepared recycle, committed when the statement succeeds (so a TRUNCATE of
  * many partitions or a Hive overwrite deleting file by file is one unit); outside one it is
@@ -24,6 +34,114 @@ import org.apache.hadoop.fs.Path;
 public class CmrootLocalFileSystem extends LocalFileSystem {
   // Files that keep appearing under a directory being deleted: staged again this many times.
   private static final int RESTAGE_ROUNDS = 3;
+  // Hadoop's trash directory name (TrashPolicyDefault: <home>/.Trash/Current/<path>).
+  private static final String TRASH = ".Trash";
+
+  // -- writes that replace a file: the old file is recycled first, as a delete of it --------
+
+  @Override
+  public FSDataOutputStream create(Path f, FsPermission permission, boolean overwrite,
+      int bufferSize, short replication, long blockSize, Progressable progress)
+      throws IOException {
+    if (overwrite) {
+      recycleReplaced(f);
+    }
+    return super.create(f, permission, overwrite, bufferSize, replication, blockSize, progress);
+  }
+
+  @Override
+  public FSDataOutputStream createNonRecursive(Path f, FsPermission permission,
+      boolean overwrite, int bufferSize, short replication, long blockSize,
+      Progressable progress) throws IOException {
+    if (overwrite) {
+      recycleReplaced(f);
+    }
+    return super.createNonRecursive(f, permission, overwrite, bufferSize, replication,
+        blockSize, progress);
+  }
+
+  @Override
+  public FSDataOutputStream create(Path f, FsPermission permission, EnumSet<CreateFlag> flags,
+      int bufferSize, short replication, long blockSize, Progressable progress,
+      Options.ChecksumOpt checksumOpt) throws IOException {
+    if (flags.contains(CreateFlag.OVERWRITE)) {
+      recycleReplaced(f);
+    }
+    return super.create(f, permission, flags, bufferSize, replication, blockSize, progress,
+        checksumOpt);
+  }
+
+  @Override
+  public FSDataOutputStream createNonRecursive(Path f, FsPermission permission,
+      EnumSet<CreateFlag> flags, int bufferSize, short replication, long blockSize,
+      Progressable progress) throws IOException {
+    if (flags.contains(CreateFlag.OVERWRITE)) {
+      recycleReplaced(f);
+    }
+    return super.createNonRecursive(f, permission, flags, bufferSize, replication, blockSize,
+        progress);
+  }
+
+  /** A rename onto an existing file replaces it (the raw local rename does): recycle it. */
+  @Override
+  public boolean rename(Path src, Path dst) throws IOException {
+    if (intoTrash(src, dst)) {
+      return delete(src, true);
+    }
+    recycleReplaced(dst);
+    return super.rename(src, dst);
+  }
+
+  /** The rename Hadoop's Trash uses (Rename.TO_TRASH), and FileContext's with OVERWRITE. */
+  @Override
+  protected void rename(Path src, Path dst, Options.Rename... options) throws IOException {
+    if (intoTrash(src, dst)) {
+      if (!delete(src, true)) {
+        throw new IOException("cmroot: could not recycle " + src + " instead of moving it to "
+            + "the trash");
+      }
+      return;
+    }
+    if (Arrays.asList(options).contains(Options.Rename.OVERWRITE)) {
+      recycleReplaced(dst);
+    }
+    super.rename(src, dst, options);
+  }
+
+  /**
+   * Is this a rename of a warehouse path into a trash directory (Hadoop's Trash, which Hive
+   * uses for the old files of an overwrite or a drop when fs.trash.interval > 0)? That is a
+   * delete: the cmroot is the trash, so the path is recycled instead of moved behind its back.
+   */
+  private boolean intoTrash(Path src, Path dst) {
+    Cmroot.Settings s = Cmroot.settings(getConf());
+    String to = s.enabled ? Cmroot.localPath(pathToFile(dst).getPath()) : null;
+    if (to == null || !to.contains("/" + TRASH + "/")) {
+      return false;
+    }
+    String from = Cmroot.localPath(pathToFile(src).getPath());
+    return Cmroot.protectedPath(from, s) || Cmroot.rootWithin(from, s) != null;
+  }
+
+  /**
+   * Recycle the data file at `f` (a delete through this hook, with the statement's context)
+   * before a write replaces it. Directories are not replaced by a create or rename onto them;
+   * Hadoop's hidden names (_SUCCESS, .crc) are not data and are rewritten by every job.
+   */
+  private void recycleReplaced(Path f) throws IOException {
+    Cmroot.Settings s = Cmroot.settings(getConf());
+    String local = s.enabled ? Cmroot.localPath(pathToFile(f).getPath()) : null;
+    if (local == null || Cmroot.isHiddenName(new File(local).getName())
+        || !Cmroot.protectedPath(local, s)) {
+      return;
+    }
+    java.nio.file.Path p = new File(local).toPath();
+    if (Files.isRegularFile(p, LinkOption.NOFOLLOW_LINKS) || Files.isSymbolicLink(p)) {
+      delete(f, false);
+    }
+  }
+
+  // -- deletes --------------------------------------------------------------------------------
 
   @Override
   public boolean delete(Path f, boolean recursive) throws IOException {
