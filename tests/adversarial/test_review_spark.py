@@ -532,10 +532,6 @@ def custom(lake: Lake) -> Path:
     return loc
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 11: a statement's context knows only the table directory; partitions at custom "
-    "locations need the catalog's partition locations in the context (spec per "
-    "location) and recordInsert walking them, not done in this round"))
 def test_overwrite_of_a_custom_location_partition_records_no_insert(
         lake: Lake, custom: Path) -> None:
     """Issue 11 item 7 (events complete). `INSERT OVERWRITE TABLE cl PARTITION (p=9)` where
@@ -553,9 +549,9 @@ def test_overwrite_of_a_custom_location_partition_records_no_insert(
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "issue 11: same gap as the custom-location INSERT: the context does not map a custom "
-    "partition location to the table and its spec, so its delete is a DELETE of its own "
-    "transaction key (still committed with the statement), not done in this round"))
+    "issue 11: needs a daemon change: it takes one table directory per labelled recycle "
+    "(400 'one table per recycle'), so a custom partition location outside the table "
+    "directory cannot join the TRUNCATE; it stays a DELETE in the same statement"))
 def test_truncate_records_a_custom_location_partition_as_an_anonymous_delete(
         lake: Lake, custom: Path) -> None:
     """Invariant 2 (one statement, one unit) and issue 11 item 7. TRUNCATE TABLE cl: the

@@ -505,19 +505,53 @@ public final class Cmroot {
     public final boolean purge;
     public final String location;
     public final boolean creating;
+    // The table's partitions at custom locations outside `location`: directory -> spec, for
+    // the partitions and new files a write records.
+    final Map<String, Map<String, String>> partitionDirs;
 
     public Ctx(String op, String db, String table, boolean purge, String location) {
-      this(op, db, table, purge, location, false);
+      this(op, db, table, purge, location, false, Map.of());
     }
 
     public Ctx(String op, String db, String table, boolean purge, String location,
         boolean creating) {
+      this(op, db, table, purge, location, creating, Map.of());
+    }
+
+    private Ctx(String op, String db, String table, boolean purge, String location,
+        boolean creating, Map<String, Map<String, String>> partitionDirs) {
       this.op = op;
       this.db = db;
       this.table = table;
       this.purge = purge;
       this.location = location;
       this.creating = creating;
+      this.partitionDirs = partitionDirs;
+    }
+
+    /** This context, with the table's partitions at custom locations (directory -> spec). */
+    Ctx withPartitionDirs(Map<String, Map<String, String>> dirs) {
+      return new Ctx(op, db, table, purge, location, creating, Map.copyOf(dirs));
+    }
+
+    /** The directories of the table: its location, then its custom partition locations. */
+    List<String> dirs() {
+      List<String> out = new ArrayList<>();
+      if (location != null) {
+        out.add(location);
+      }
+      out.addAll(new java.util.TreeSet<>(partitionDirs.keySet()));
+      return out;
+    }
+
+    /** The partition ({k: v}) `path` belongs to, in the table's directory or a custom one. */
+    Map<String, String> partitionOf(String path, boolean isDir) {
+      for (Map.Entry<String, Map<String, String>> d : partitionDirs.entrySet()) {
+        if (under(path, d.getKey())) {
+          return d.getValue();
+        }
+      }
+      return Cmroot.partitionOf(path, location, isDir);
     }
 
     /**
@@ -528,7 +562,11 @@ public final class Cmroot {
       return "INSERT".equals(op) ? "DELETE" : op;
     }
 
-    /** This context, if `path` belongs to its table. */
+    /**
+     * This context, if `path` is in its table's directory. (Not a custom partition location:
+     * the daemon takes one table directory per labelled recycle, so a delete there stays a
+     * recycle of its own.)
+     */
     Ctx appliesTo(String path) {
       return location != null && under(path, location) ? this : null;
     }

@@ -1,11 +1,15 @@
 package io.cmroot.spark;
 
+import java.util.LinkedHashMap;
+import java.util.Map;
 import org.apache.spark.sql.SaveMode;
 import org.apache.spark.sql.SparkSession;
 import org.apache.spark.sql.catalyst.TableIdentifier;
 import org.apache.spark.sql.catalyst.analysis.ResolvedIdentifier;
 import org.apache.spark.sql.catalyst.catalog.CatalogStorageFormat;
 import org.apache.spark.sql.catalyst.catalog.CatalogTable;
+import org.apache.spark.sql.catalyst.catalog.CatalogTablePartition;
+import org.apache.spark.sql.catalyst.catalog.SessionCatalog;
 import org.apache.spark.sql.catalyst.plans.logical.DropTable;
 import org.apache.spark.sql.catalyst.plans.logical.LogicalPlan;
 import org.apache.spark.sql.connector.catalog.Identifier;
@@ -19,6 +23,7 @@ import org.apache.spark.sql.execution.datasources.InsertIntoHadoopFsRelationComm
 import org.apache.spark.sql.hive.execution.InsertIntoHiveDirCommand;
 import org.apache.spark.sql.hive.execution.InsertIntoHiveTable;
 import scala.Option;
+import scala.jdk.javaapi.CollectionConverters;
 
 /**
  * Which analyzed commands are destructive statements or writes, and what they do (op, db,
@@ -63,7 +68,8 @@ final class CmrootCommands {
       String location = Cmroot.localPath(String.valueOf(c.outputPath()));
       if (c.catalogTable().isDefined()) {
         TableIdentifier id = c.catalogTable().get().identifier();
-        return new Cmroot.Ctx(op, db(session, id), id.table(), false, location);
+        return new Cmroot.Ctx(op, db(session, id), id.table(), false, location)
+            .withPartitionDirs(customPartitions(session, id, location));
       }
       return new Cmroot.Ctx(op, null, null, false, location);
     }
@@ -92,6 +98,29 @@ final class CmrootCommands {
           Cmroot.localPath(String.valueOf(location)), true);
     }
     return null;
+  }
+
+  /** The table's partitions at locations outside `location`: directory -> spec. */
+  private static Map<String, Map<String, String>> customPartitions(SparkSession session,
+      TableIdentifier id, String location) {
+    Map<String, Map<String, String>> out = new LinkedHashMap<>();
+    try {
+      TableIdentifier qualified = new TableIdentifier(id.table(), Option.apply(db(session, id)));
+      SessionCatalog catalog = session.sessionState().catalog();
+      if (catalog.getTableMetadata(qualified).partitionColumnNames().isEmpty()) {
+        return out;
+      }
+      for (CatalogTablePartition p : CollectionConverters.asJava(
+          catalog.listPartitions(qualified, Option.empty()))) {
+        String dir = Cmroot.localPath(String.valueOf(p.location()));
+        if (dir != null && (location == null || !Cmroot.under(dir, location))) {
+          out.put(dir, CollectionConverters.asJava(p.spec()));
+        }
+      }
+    } catch (Exception e) {
+      // no such table, or not partitioned by the catalog: the command itself says so
+    }
+    return out;
   }
 
   /** INSERT OVERWRITE DIRECTORY: no table, the directory's old entries are one recycle. */

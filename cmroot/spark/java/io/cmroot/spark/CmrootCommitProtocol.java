@@ -170,9 +170,9 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     return true;
   }
 
-  /** Remove the data files this job committed under `base` (their names carry its id). */
+  /** Remove the data files this job committed (their names carry its id). */
   private void removeOutput(String base) {
-    for (String p : Cmroot.dataFiles(new File(base), true, jobId)) {
+    for (String p : jobFiles(base)) {
       for (String f : Cmroot.withChecksumSibling(p)) {
         new File(f).delete(); // the job's own output: nothing any event recorded
       }
@@ -186,11 +186,28 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
         "the overwrite of " + outputPath);
   }
 
-  /** The partitions ({k: v}) the files belong to, below the output path. */
-  private static List<Map<String, String>> partitions(List<String> files, String base) {
+  /**
+   * The data files this job wrote (their names carry its id): under the output path, and in
+   * the custom locations of the statement's table's partitions.
+   */
+  private List<String> jobFiles(String base) {
+    Cmroot.Ctx c = ctx == null ? null : ctx.appliesTo(base);
+    List<String> files = new ArrayList<>(Cmroot.dataFiles(new File(base), true, jobId));
+    for (String d : c == null ? List.<String>of() : c.dirs()) {
+      if (!Cmroot.under(d, base)) {
+        files.addAll(Cmroot.dataFiles(new File(d), true, jobId));
+      }
+    }
+    return files;
+  }
+
+  /** The partitions ({k: v}) the files belong to (custom partition locations included). */
+  private List<Map<String, String>> partitions(List<String> files, String base) {
+    Cmroot.Ctx c = ctx == null || base == null ? null : ctx.appliesTo(base);
     List<Map<String, String>> parts = new ArrayList<>();
     for (String p : files) {
-      Map<String, String> kv = Cmroot.partitionOf(p, base, false);
+      Map<String, String> kv = c != null ? c.partitionOf(p, false)
+          : Cmroot.partitionOf(p, base, false);
       if (!kv.isEmpty() && !parts.contains(kv)) {
         parts.add(kv);
       }
@@ -218,17 +235,11 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     }
     // A walk of the table: Spark reports the partitions a job wrote only for a dynamic
     // overwrite. Listing directories is cheap next to the write itself.
-    List<String> files = Cmroot.dataFiles(new File(base), true, jobId);
+    List<String> files = jobFiles(base);
     if (files.isEmpty()) {
       return;
     }
-    List<Map<String, String>> parts = new ArrayList<>();
-    for (String f : files) {
-      Map<String, String> kv = Cmroot.partitionOf(f, base, false);
-      if (!kv.isEmpty() && !parts.contains(kv)) {
-        parts.add(kv);
-      }
-    }
+    List<Map<String, String>> parts = partitions(files, base);
     Map<String, Object> body = new LinkedHashMap<>();
     body.put("eventType", "INSERT");
     body.put("db", c.db);

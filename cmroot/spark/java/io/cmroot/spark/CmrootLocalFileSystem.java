@@ -167,8 +167,8 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     CmrootStatement st = CmrootStatement.current();
     Cmroot.Ctx ctx = CmrootStatement.contextFor(local);
     String op = ctx == null ? "DELETE" : ctx.deleteOp();
-    Map<String, String> part = Cmroot.partitionOf(local, ctx == null ? null : ctx.location,
-        file.isDirectory());
+    Map<String, String> part = ctx == null ? Cmroot.partitionOf(local, null, file.isDirectory())
+        : ctx.partitionOf(local, file.isDirectory());
     String db = ctx == null ? null : ctx.db;
     String table = ctx == null ? null : ctx.table;
     String location = ctx == null ? null : ctx.location;
