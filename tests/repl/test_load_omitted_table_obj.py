@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from cmroot import checksum as cks
+from cmroot.index.events import MAX_TABLE_OBJ
 from cmroot.repl import dump
 from tests.repl.conftest import Destination
 from tests.spark.sparklib import Daemon
@@ -21,10 +22,11 @@ pytestmark = pytest.mark.timeout(600)
 
 def _insert_legacy(index: Path, kind: str, table: str, location: str,
                    files: list[tuple[str, str, int]]) -> None:
-    """An event as an older daemon stored it, with a 2 MiB tableObj."""
+    """An event as an older daemon stored it, with a tableObj over what the index serves."""
     table_obj = {"db": "s", "table": table, "location": location,
                  "columns": [{"name": "x", "type": "bigint"}],
-                 "parameters": {"spark.sql.sources.provider": "parquet", "blob": "x" * (2 << 20)}}
+                 "parameters": {"spark.sql.sources.provider": "parquet",
+                                "blob": "x" * MAX_TABLE_OBJ}}
     meta = json.dumps({"location": location, "tableObj": table_obj})
     con = sqlite3.connect(index, timeout=30)
     try:
