@@ -108,7 +108,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from glob import has_magic
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from fsspec import filesystem
 from fsspec.compression import compr
@@ -1317,7 +1317,30 @@ class _Tx:
             )
 
 
-class _ReplacingFile:
+_W = TypeVar("_W", bound="_CloseOrDiscard")
+
+
+class _CloseOrDiscard:
+    """A `with` block publishes the new bytes (close) when it ends normally and drops
+    them (discard) when it raises."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def discard(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _W) -> _W:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.discard()
+
+
+class _ReplacingFile(_CloseOrDiscard):
     """A file being written beside its target; on a clean close it is swapped in (see
     `CmrootFileSystem._swap_in`), on an error (or `discard()`) it is dropped."""
 
@@ -1371,17 +1394,8 @@ class _ReplacingFile:
             self._inner.close()
             self._owner._quietly(self._owner._drop, self._swap.tmp)
 
-    def __enter__(self) -> _ReplacingFile:
-        return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.discard()
-
-
-class _Layers:
+class _Layers(_CloseOrDiscard):
     """A compression codec and/or text layer over a replacing file. Closing flushes the
     layers (a codec never closes the file it wraps, so its last bytes would otherwise
     never reach it), then swaps the file in; a `with` block that raises drops the new
@@ -1411,15 +1425,6 @@ class _Layers:
         except Exception as e:
             log.debug("closing a discarded file's layers failed", extra={"error": str(e)})
         self._replacing.discard()
-
-    def __enter__(self) -> _Layers:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.discard()
 
 
 def _layered(
