@@ -46,8 +46,11 @@ DESTRUCTIVE = frozenset(
 # Drops of a table or partition that held no data (empty, external, outside the roots):
 # nothing to recycle, but replication must still replay them (POST /v1/events).
 METADATA_DROPS = frozenset({EventType.DROP_TABLE, EventType.DROP_PARTITION})
+# A table or partition given a new location: POST /v1/events records it with the files
+# that location holds (nothing was deleted); a recycle with this op lists what was removed.
+RELOCATIONS = frozenset({EventType.ALTER_LOCATION})
 # What POST /v1/events records.
-RECORDABLE = (frozenset(EventType) - DESTRUCTIVE) | METADATA_DROPS
+RECORDABLE = (frozenset(EventType) - DESTRUCTIVE) | METADATA_DROPS | RELOCATIONS
 
 
 class Mode(_Name):

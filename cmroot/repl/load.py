@@ -235,6 +235,11 @@ class Loader:
                 self._tables.clear()
         elif kind == "CREATE_TABLE":
             self._ensure_table(e)
+            if e.files:  # created over a directory that already held data
+                self._add(e)
+        elif kind == "ALTER_LOCATION" and e.table_obj is not None:
+            self._flush(e.id)
+            self._relocate(e)
         elif kind == "ALTER_TABLE":
             self._flush(e.id)
             self._alter(e)
@@ -406,6 +411,33 @@ class Loader:
         gone = [k for k in cur if k not in want]
         if gone:
             self.dest.unset_table_properties(self.db, dst, gone)
+
+    def _relocate(self, e: DumpEvent) -> None:
+        """A table given a new location at the source (the recorded ALTER_LOCATION, with its
+        new definition): the replica keeps its own location and takes what the new one holds
+        (`e.files`, paths under `e.location`) in place of what it held."""
+        self._alter(e)
+        if e.partitions:
+            raise ReplError(
+                "partition with its own location",
+                f"event {e.id}: a partition of {e.db}.{e.table} was given the location "
+                f"{e.location}; partitions with their own locations are not replicated",
+            )
+        dst_table = self._dst_table(e)
+        if not self.dest.has_table(self.db, dst_table):
+            return
+        base = self.dest.location(self.db, dst_table)
+        if tabledef.partition_columns(self._definition(e) or {}):
+            return  # the partitions keep their locations: nothing moved with the table
+        for name in os.listdir(base) if os.path.isdir(base) else []:
+            if not name.startswith((".", "_", TEMP_PREFIX)):
+                path = os.path.join(base, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+        self._add(e)
+        self.dest.refresh(self.db, dst_table)
 
     # -- files ----------------------------------------------------------------------------
     def _flush(self, checkpoint: int | None) -> None:

@@ -242,3 +242,38 @@ def test_refusals_change_nothing(source: Source, destination: Destination) -> No
     for step in (gap, over):
         assert step["rows"]["t"] == [[1]] and step["status"]["rf"] == h1.last_event_id
     assert len(over["files"]["rf.t"]) == 1
+
+
+def test_moves_and_adoptions_replicate(source: Source, destination: Destination) -> None:
+    """What moves or adopts data without deleting any (issue 11, item 7): a renamed partition,
+    a table given a new location, a table created over data already there, and inserts into
+    a Hive SerDe table. Each load leaves the replica with the source's rows. (The data is
+    loaded before the rename moves it: following a file across a later rename is replication
+    work of its own.)"""
+    start = source.daemon.current()
+    source.sql("CREATE DATABASE mv")
+    source.sql("CREATE TABLE mv.p (a INT, p INT) USING parquet PARTITIONED BY (p)")
+    source.sql("INSERT INTO mv.p VALUES (1, 1), (2, 2)")
+    source.sql("CREATE TABLE mv.flat (a INT) USING parquet")
+    source.sql("INSERT INTO mv.flat VALUES (1)")
+    url1, h1 = source.dump("mv", from_id=start)
+    (first,) = destination.run({"load": {"dump": url1}, "queries": {"p": "SELECT * FROM mv.p"}})
+    assert first["rows"]["p"] == [[1, 1], [2, 2]], first["load"]
+
+    source.sql("ALTER TABLE mv.p PARTITION (p=1) RENAME TO PARTITION (p=9)")
+    moved = source.warehouse / "mv.db" / "flat_v2"
+    source.spark.range(3).selectExpr("CAST(id + 10 AS INT) AS a").write.parquet(str(moved))
+    source.sql(f"ALTER TABLE mv.flat SET LOCATION '{moved}'")
+    source.sql("INSERT INTO mv.flat VALUES (20)")
+    landing = source.warehouse / "mv.db" / "landing"
+    source.spark.range(2).selectExpr("CAST(id + 30 AS INT) AS a").write.parquet(str(landing))
+    source.sql(f"CREATE TABLE mv.adopted (a INT) USING parquet LOCATION '{landing}'")
+    source.sql("CREATE TABLE mv.h (a INT) STORED AS TEXTFILE")
+    source.sql("INSERT INTO mv.h VALUES (5), (6)")
+    source.sql("INSERT INTO mv.h SELECT a + 1 FROM mv.h")
+    url2, _ = source.dump("mv", from_id=h1.last_event_id)
+    q = {t: f"SELECT * FROM mv.{t}" for t in ("p", "flat", "adopted", "h")}
+    (second,) = destination.run({"load": {"dump": url2}, "queries": q, "partitions": ["mv.p"]})
+    for t, sql in q.items():
+        assert second["rows"][t] == source.rows(sql), (t, second["load"])
+    assert second["partitions"]["mv.p"] == ["p=2", "p=9"]

@@ -39,8 +39,10 @@ import org.apache.spark.sql.execution.datasources.SQLHadoopMapReduceCommitProtoc
  *
  * <p>After the recycle committed, the new data files of a table under the warehouse roots are
  * recorded as one INSERT event (after the overwrite's recycle, the order replication replays).
- * Known gap: a Hive SerDe table Spark does not convert (e.g. STORED AS TEXTFILE) is written
- * to a Hive staging directory and moved in by Hive's loadTable; that INSERT is not recorded.
+ * A Hive SerDe table Spark does not convert (e.g. STORED AS TEXTFILE) is written to a Hive
+ * staging directory and moved in afterwards by Hive's loadTable or loadPartition, which keep
+ * the file names (they carry this job's id): its INSERT is recorded once the statement is
+ * done, from where the files landed.
  *
  * <p>Set with {@code spark.sql.sources.commitProtocolClass=io.cmroot.spark.CmrootCommitProtocol}.
  */
@@ -130,14 +132,19 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     List<String> emptied = new ArrayList<>(deletedDirs);
     deletedDirs.clear();
     snapshot.clear();
+    // A Hive write: the statement moves the committed files from this staging output into
+    // its table after the job; they are listed there when it is done.
+    boolean moved = st != null && base != null && Cmroot.isTemporary(base) && ctx != null
+        && ctx.table != null && ctx.location != null;
+    String target = moved ? ctx.location : base;
     CmrootStatement.Action done = () -> {
       for (String d : emptied) {
         Cmroot.removeEmptyDirectories(new File(d)); // what Spark's delete would not have left
       }
-      recordInsert(s, base);
+      recordInsert(s, target);
     };
     try {
-      if (st != null && staging) { // (a CTAS replaces nothing: its INSERT waits for its table)
+      if (st != null && (staging || moved)) { // (a CTAS's INSERT waits for its table)
         st.afterCommit(done);
       } else {
         if (own != null) {

@@ -14,6 +14,7 @@ import org.apache.hadoop.hive.metastore.api.MetaException;
 import org.apache.hadoop.hive.metastore.api.Partition;
 import org.apache.hadoop.hive.metastore.api.Table;
 import org.apache.hadoop.hive.metastore.events.AddPartitionEvent;
+import org.apache.hadoop.hive.metastore.events.AlterPartitionEvent;
 import org.apache.hadoop.hive.metastore.events.AlterTableEvent;
 import org.apache.hadoop.hive.metastore.events.CreateDatabaseEvent;
 import org.apache.hadoop.hive.metastore.events.CreateTableEvent;
@@ -25,10 +26,16 @@ import org.apache.hadoop.hive.metastore.events.DropTableEvent;
  * A Hive metastore post-event listener
  * ({@code spark.hadoop.hive.metastore.event.listeners=io.cmroot.spark.CmrootMetastoreEvents})
  * that records the non-destructive metadata changes replication replays: databases and tables
- * created, altered and dropped, partitions added, and drops that held no data (drops with
- * data are recorded by their recycle, which the pre-event listener prepared). Only successful
- * changes of tables under the warehouse roots are recorded; data files are sent as paths, the
- * daemon hashes them. For a drop made outside a statement it also settles the recycle the
+ * created, altered and dropped, partitions added, renamed and moved, and drops that held no
+ * data (drops with data are recorded by their recycle, which the pre-event listener
+ * prepared). Only successful changes of tables under the warehouse roots are recorded; data
+ * files are sent as paths, the daemon hashes them.
+ *
+ * <p>What moves or adopts data without deleting any is recorded with the files as they are
+ * afterwards, so a replica can rebuild it: a table or partition given a new location is an
+ * ALTER_LOCATION listing what that location holds; a renamed partition is an ADD_PARTITION
+ * of the new one with its files, then a DROP_PARTITION (metadata only) of the old one; a
+ * table created over a directory that already holds data lists those files. For a drop made outside a statement it also settles the recycle the
  * pre-event prepared: committed when the metastore reports success, aborted when it reports
  * a failure (the files are back).
  *
@@ -82,13 +89,19 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     if (!e.getStatus() || !Cmroot.protectedPath(loc, s)) {
       return;
     }
-    Map<String, Object> body = event("CREATE_TABLE", t.getDbName(), t.getTableName());
-    body.put("location", loc);
-    body.put("tableObj", Cmroot.tableMap(t));
-    record(body, s, "table " + name(t));
     CmrootStatement st = CmrootStatement.current();
     Map<String, Object> insert = st == null ? null
         : st.takeDeferredInsert(t.getDbName(), t.getTableName());
+    Map<String, Object> body = event("CREATE_TABLE", t.getDbName(), t.getTableName());
+    body.put("location", loc);
+    body.put("tableObj", Cmroot.tableMap(t));
+    // A table created over data (an external table on a landing directory) holds it from
+    // now on: a replica needs those files. A CTAS's own files follow in its INSERT; a
+    // partitioned table's data arrives with its partitions (ADD_PARTITION lists theirs).
+    if (insert == null && t.getPartitionKeysSize() == 0) {
+      body.put("files", Cmroot.fileRefs(Cmroot.dataFiles(new File(loc), true, null)));
+    }
+    record(body, s, "table " + name(t));
     if (insert != null) {
       record(insert, s, "the data written by CREATE TABLE " + name(t) + " AS SELECT");
     }
@@ -106,12 +119,64 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
         || !replicaVisible(old, t)) {
       return;
     }
-    Map<String, Object> body = event("ALTER_TABLE", old.getDbName(), old.getTableName());
+    // A new location (not a rename, which takes the data along): what the table holds from
+    // now on is what that location holds.
+    boolean moved = name(old).equalsIgnoreCase(name(t))
+        && !String.valueOf(location(old)).equals(String.valueOf(loc));
+    Map<String, Object> body = event(moved ? "ALTER_LOCATION" : "ALTER_TABLE", old.getDbName(),
+        old.getTableName());
     if (inside) {
       body.put("location", loc);
     }
     body.put("tableObj", Cmroot.tableMap(t));
+    if (moved) {
+      body.put("files", Cmroot.fileRefs(inside && t.getPartitionKeysSize() == 0
+          ? Cmroot.dataFiles(new File(loc), true, null) : List.of()));
+    }
     record(body, s, "the change of table " + name(old));
+  }
+
+  /**
+   * A partition renamed (ALTER TABLE ... PARTITION ... RENAME TO PARTITION: the metastore
+   * moved its directory) or given a new location. Changes of its statistics only (every
+   * insert into an existing partition makes one) are not news to a replica.
+   */
+  @Override
+  public void onAlterPartition(AlterPartitionEvent e) throws MetaException {
+    Table t = e.getTable();
+    Partition before = e.getOldPartition();
+    Partition after = e.getNewPartition();
+    Cmroot.Settings s = Cmroot.settings(getConf());
+    String loc = location(t);
+    if (!e.getStatus() || !Cmroot.protectedPath(loc, s) || before == null || after == null) {
+      return;
+    }
+    String was = partitionLocation(before);
+    String now = partitionLocation(after);
+    boolean inside = Cmroot.protectedPath(now, s);
+    List<String> files = inside ? Cmroot.dataFiles(new File(now), true, null) : List.of();
+    if (!before.getValues().equals(after.getValues())) {
+      Map<String, Object> add = event("ADD_PARTITION", t.getDbName(), t.getTableName());
+      add.put("location", loc);
+      add.put("partitions", List.of(CmrootMetastoreListener.spec(t, after)));
+      add.put("files", Cmroot.fileRefs(files));
+      record(add, s, "the rename of partition " + before.getValues() + " of " + name(t));
+      Map<String, Object> drop = event("DROP_PARTITION", t.getDbName(), t.getTableName());
+      drop.put("location", loc);
+      drop.put("partitions", List.of(CmrootMetastoreListener.spec(t, before)));
+      record(drop, s, "the rename of partition " + before.getValues() + " of " + name(t));
+    } else if (!String.valueOf(was).equals(String.valueOf(now))) {
+      Map<String, Object> body = event("ALTER_LOCATION", t.getDbName(), t.getTableName());
+      body.put("location", loc);
+      body.put("partitions", List.of(CmrootMetastoreListener.spec(t, after)));
+      body.put("tableObj", Cmroot.tableMap(t));
+      body.put("files", Cmroot.fileRefs(files));
+      record(body, s, "the new location of partition " + after.getValues() + " of " + name(t));
+    }
+  }
+
+  private static String partitionLocation(Partition p) {
+    return p.getSd() == null ? null : Cmroot.localPath(p.getSd().getLocation());
   }
 
   @Override
