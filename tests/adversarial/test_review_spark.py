@@ -499,10 +499,6 @@ def test_overwrite_whose_recycle_commit_fails_after_the_job_commit_mixes_old_and
 
 # -- 7. removals that are moves ---------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 11: a rename of a warehouse file to another place (Hive's LOAD DATA INPATH "
-    "move) needs a copy-mode recycle of the source before the rename; the shim's transactions only "
-    "prepare moves (CmrootTransaction), not done in this round"))
 def test_load_data_inpath_moves_a_warehouse_file_out_of_its_table_unrecorded(lake: Lake) -> None:
     """Invariant 1 (retrievable by original path and checksum) and issue 11 item 7. `LOAD
     DATA INPATH '<another table's file>' [OVERWRITE] INTO TABLE dst` is a Hive move (rename):
@@ -518,6 +514,13 @@ def test_load_data_inpath_moves_a_warehouse_file_out_of_its_table_unrecorded(lak
     since = lake.daemon.current()
     lake.sql(f"LOAD DATA INPATH '{moved}' INTO TABLE ld_dst")
     assert lost(lake, {moved: src[moved]}) == [], f"events {events(lake, since)}"
+    kept, insert = lake.daemon.events_after(since)
+    assert (kept["eventType"], [f["path"] for f in kept["files"]]) == ("DELETE", [moved])
+    landed = str(lake.table_dir("ld_dst") / os.path.basename(moved))
+    assert (insert["eventType"], insert["table"]) == ("INSERT", "ld_dst")
+    assert [f["path"] for f in insert["files"]] == [landed]
+    rows = [r[0] for t in ("ld_src", "ld_dst") for r in lake.sql(f"SELECT a FROM {t}")]
+    assert sorted(rows) == [1, 2] and len(lake.sql("SELECT a FROM ld_dst")) == 1
 
 
 # -- 8. partitions with custom locations -------------------------------------------------------

@@ -167,3 +167,27 @@ def test_rename_partition_of_a_hive_table(lake: Lake, db: str) -> None:
     assert [e["eventType"] for e in events] == ["ADD_PARTITION", "DROP_PARTITION"]
     assert _files_of(events) == data_files(t / "p=5") != set()
     assert all(os.path.exists(p) for p in _files_of(events))
+
+
+def test_load_data_records_the_files_it_moved_in(lake: Lake, db: str, tmp_path: Path) -> None:
+    lake.sql(f"CREATE TABLE {DB}.loaded (a INT) STORED AS TEXTFILE")
+    landing = tmp_path / "landing.txt"
+    landing.write_text("41\n42\n")
+    [insert] = run(lake, f"LOAD DATA INPATH '{landing}' INTO TABLE {DB}.loaded")
+    assert shape(insert) == ("INSERT", DB, "loaded", [], str(tdir(lake, "loaded")))
+    assert set(listed(insert)) == data_files(tdir(lake, "loaded")) != set()
+    assert sorted(r[0] for r in lake.sql(f"SELECT a FROM {DB}.loaded")) == [41, 42]
+
+
+def test_load_data_of_another_tables_file_is_refused_whole_when_unkept(
+    lake: Lake, db: str
+) -> None:
+    for n in ("lsrc", "ldst"):
+        lake.sql(f"CREATE TABLE {DB}.{n} (a INT) STORED AS TEXTFILE")
+    lake.sql(f"INSERT INTO {DB}.lsrc VALUES (1)")
+    [moved] = data_files(tdir(lake, "lsrc"))
+    since = lake.daemon.current()
+    with lake.daemon.down(), pytest.raises(Exception, match="cmroot could not recycle"):
+        lake.sql(f"LOAD DATA INPATH '{moved}' INTO TABLE {DB}.ldst")
+    assert os.path.exists(moved) and data_files(tdir(lake, "ldst")) == set()
+    assert lake.daemon.events_after(since) == []

@@ -82,14 +82,38 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
         progress);
   }
 
-  /** A rename onto an existing file replaces it (the raw local rename does): recycle it. */
+  /**
+   * A rename onto an existing file replaces it (the raw local rename does): recycle it. A
+   * statement that renames a data file of another table into its own (LOAD DATA INPATH)
+   * takes it away from its path: its bytes are kept there first (a copy-mode part of the
+   * statement), and the file is recorded as the statement's table's new data.
+   */
   @Override
   public boolean rename(Path src, Path dst) throws IOException {
     if (intoTrash(src, dst)) {
       return delete(src, true);
     }
     recycleReplaced(dst);
-    return super.rename(src, dst);
+    CmrootStatement st = CmrootStatement.current();
+    Cmroot.Settings s = Cmroot.settings(getConf());
+    String from = st == null || !s.enabled ? null : Cmroot.localPath(pathToFile(src).getPath());
+    String to = from == null ? null : Cmroot.localPath(pathToFile(dst).getPath());
+    Cmroot.Ctx into = to == null ? null : st.ctx.appliesTo(to);
+    if (into == null || into.table == null || Cmroot.isTemporary(from)
+        || !Files.isRegularFile(new File(from).toPath(), LinkOption.NOFOLLOW_LINKS)) {
+      return super.rename(src, dst); // a job's or Hive's staging output, or a directory
+    }
+    if (Cmroot.protectedPath(from, s) && into.appliesTo(from) == null
+        && !st.prepareCopy(List.of(from), "the move of " + from + " into " + into.table)) {
+      return super.rename(src, dst); // failed open
+    }
+    boolean moved = super.rename(src, dst);
+    if (moved) {
+      java.nio.file.Path landed = new File(to).toPath();
+      st.movedIn(Files.isDirectory(landed) ? new File(to, new File(from).getName()).getPath()
+          : to);
+    }
+    return moved;
   }
 
   /** The rename Hadoop's Trash uses (Rename.TO_TRASH), and FileContext's with OVERWRITE. */

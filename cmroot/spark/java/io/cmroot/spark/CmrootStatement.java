@@ -46,6 +46,8 @@ public final class CmrootStatement {
   // What undoes a write whose recycle is rolled back (keyed like txs): an overwrite's job
   // committed its new files next to the old ones, which the rollback puts back.
   private final Map<String, List<Action>> undo = new LinkedHashMap<>();
+  // Data files the statement renamed into its table from elsewhere (see movedIn).
+  private final List<String> movedIn = new ArrayList<>();
   private volatile boolean open = true;
   private volatile String failure;
 
@@ -92,6 +94,63 @@ public final class CmrootStatement {
           k -> new CmrootTransaction(s, op, db, table, purge, location, "the statement " + ctx));
     }
     return tx.prepare(paths, partitions, part);
+  }
+
+  /**
+   * Keep the bytes of `paths` (files of another table, or of no table, that the statement
+   * moves into its own: LOAD DATA INPATH) under their paths, as one more part of this
+   * statement: a copy-mode recycle, op DELETE, committed with the rest. The rename then moves
+   * the files themselves. Returns false when failed open.
+   */
+  boolean prepareCopy(List<String> paths, String part) throws Cmroot.RecycleException {
+    CmrootStatement u = unit;
+    if (u.failure != null) {
+      throw new Cmroot.RecycleException("cmroot: " + u.failure, null);
+    }
+    CmrootTransaction tx;
+    synchronized (u.txs) {
+      tx = u.txs.computeIfAbsent("copy\u0000" + CmrootTransaction.key("DELETE", null, null,
+          false), k -> new CmrootTransaction(s, "copy", "DELETE", null, null, false, null,
+          "the files the statement " + ctx + " moves out of their place"));
+    }
+    return tx.prepare(paths, List.of(), part);
+  }
+
+  /**
+   * A data file this statement moved into its table by a rename (LOAD DATA INPATH): all of
+   * them are recorded as one INSERT once the statement committed.
+   */
+  void movedIn(String path) {
+    CmrootStatement u = unit;
+    synchronized (u.movedIn) {
+      if (u.movedIn.isEmpty()) {
+        afterCommit(() -> u.recordMovedIn(ctx));
+      }
+      u.movedIn.add(path);
+    }
+  }
+
+  private void recordMovedIn(Cmroot.Ctx c) throws java.io.IOException {
+    List<String> files;
+    synchronized (movedIn) {
+      files = new ArrayList<>(movedIn);
+      movedIn.clear();
+    }
+    List<Map<String, String>> parts = new ArrayList<>();
+    for (String f : files) {
+      Map<String, String> kv = c.partitionOf(f, false);
+      if (!kv.isEmpty() && !parts.contains(kv)) {
+        parts.add(kv);
+      }
+    }
+    Map<String, Object> body = new LinkedHashMap<>();
+    body.put("eventType", "INSERT");
+    body.put("db", c.db);
+    body.put("table", c.table);
+    body.put("partitions", parts);
+    body.put("location", c.location);
+    body.put("files", Cmroot.fileRefs(files));
+    Cmroot.addEvent(body, s, "the files moved into " + c.db + "." + c.table);
   }
 
   void markStaged(String dropKey) {

@@ -46,6 +46,9 @@ final class CmrootTransaction {
   final boolean purge;
   private final String location;
   private final String what;
+  // "copy" for a file the statement moves elsewhere (a rename that leaves its path): its
+  // bytes are kept under that path while the file itself goes on to its new place.
+  private final String mode;
 
   private volatile String txid; // null until the daemon answered the first prepare
   private List<JsonNode> files = List.of(); // every file staged so far, with its checksum
@@ -56,7 +59,13 @@ final class CmrootTransaction {
   /** `what` names the statement's change in messages ("table db.t", "the overwrite of P"). */
   CmrootTransaction(Cmroot.Settings s, String op, String db, String table, boolean purge,
       String location, String what) {
+    this(s, "move", op, db, table, purge, location, what);
+  }
+
+  CmrootTransaction(Cmroot.Settings s, String mode, String op, String db, String table,
+      boolean purge, String location, String what) {
     this.s = s;
+    this.mode = mode;
     this.op = op == null ? "DELETE" : op;
     this.db = db;
     this.table = table;
@@ -97,7 +106,7 @@ final class CmrootTransaction {
     }
     Map<String, Object> body = new LinkedHashMap<>();
     body.put("paths", paths);
-    body.put("mode", "move");
+    body.put("mode", mode);
     body.put("purge", purge);
     body.put("op", op);
     if (db != null) {
