@@ -4,8 +4,11 @@ same cmroot.exceptions the store raises."""
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import http.client
 import json
+import re
 import select
 import socket
 import ssl
@@ -470,11 +473,24 @@ def _readable(sock: socket.socket) -> bool:
 
 
 def _retry_after(resp: http.client.HTTPResponse) -> float | None:
-    """Seconds a 503 asks the client to wait (its Retry-After, in seconds), else None."""
+    """Seconds a 503 asks the client to wait, else None. Retry-After is, per RFC 9110,
+    ASCII digits (seconds) or an HTTP-date; anything else (a proxy's, say) is ignored, as
+    if absent: a header the client cannot read must never escape it as a ValueError."""
     if resp.status != 503:
         return None
-    value = resp.getheader("Retry-After", "")
-    return float(value) if value.isdigit() else None
+    value = resp.getheader("Retry-After", "").strip()
+    if _DELAY_SECONDS.fullmatch(value):
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # "-0000": an HTTP-date is always GMT
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, when.timestamp() - time.time())
+
+
+_DELAY_SECONDS = re.compile(r"[0-9]+", re.ASCII)
 
 
 class _UnixConnection(http.client.HTTPConnection):

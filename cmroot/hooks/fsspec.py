@@ -56,13 +56,18 @@ What is protected, and how:
   prepare, the move-ins and one commit. If any part fails or is refused, every path under
   a root is as it was: old files back, files the call created there removed, moved
   sources returned. A file the call itself created is its own output: writing it again
-  replaces it without a recycle.
+  replaces it without a recycle. A warehouse file the unit moved onto a name is not: a
+  write over it whole undoes that move and recycles the file at its old path.
+- **Moves out of the roots** (`mv` of a file or directory under a root to a path outside
+  every root) are deletes as far as the table and its replicas are concerned: the call
+  copies the files to the destination, then recycles the sources in its transaction; a
+  refused recycle removes the copies and leaves the sources.
 - **`fs.transaction`** is one unit too: the replacements made inside it wait for its end,
-  `rm`s inside it join its two-phase transaction at once (the files leave for staging),
-  files it creates under a root are taken back if it fails, and files opened for writing
-  elsewhere are deferred by the target, as fsspec defers them. A block that ends cleanly
-  commits all of it with one event; one that raises leaves every path as it was, with no
-  event.
+  `rm`s inside it join its two-phase transaction at once (the files leave for staging;
+  paths outside the roots are renamed aside until its end), files it creates under a root
+  are taken back if it fails, and files opened for writing elsewhere are deferred by the
+  target, as fsspec defers them. A block that ends cleanly commits all of it with one
+  event; one that raises leaves every path as it was, with no event.
 - **The lease.** Between prepare and commit there are only renames on a local
   filesystem (the long writes come before the prepare); on an object store a move-in is a
   server-side copy, which can take long for big objects, so between move-ins the lease is
@@ -299,13 +304,21 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         """The daemon's name for the resolved `path` if it lies under a warehouse root (and
         not in a Spark or Hive staging directory there), else None: the root's configured
         name and the path below it."""
+        below = self._below(path)
+        if below is None:
+            return None
+        root, rel = below
+        if any(seg.startswith(_STAGING) or seg == "_temporary" for seg in rel.split("/")):
+            return None
+        return root.rstrip("/") + rel
+
+    def _below(self, path: str) -> tuple[str, str] | None:
+        """(root as configured, the path below it) if the resolved `path` lies under a
+        warehouse root, staging directories included; else None."""
         name = path if self._local else self._norm(path)
         for root, real in self._real_roots():
             if _under(name, real):
-                rel = name[len(real.rstrip("/")) :]
-                if any(seg.startswith(_STAGING) or seg == "_temporary" for seg in rel.split("/")):
-                    return None
-                return root.rstrip("/") + rel
+                return root, name[len(real.rstrip("/")) :]
         return None
 
     def protected(self, path: str) -> bool:
@@ -510,39 +523,83 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
     ) -> None:
         """Recycle `keep` and delete `rest` (not recycled) as one step: prepare, delete
         `rest`, commit. Inside `fs.transaction` the prepare joins the transaction's, and
-        its end commits or aborts."""
-        if not keep:
-            self._remove(rest, recursive, maxdepth)
-            return
+        `rest` is only set aside (`_set_aside`): its end commits or aborts. Inside a call
+        (the sources a move takes out of the roots, a moved file written over) the
+        prepare joins the call's, which its end commits or aborts."""
         unit = self._unit()
-        if unit is not None and unit.broken is not None:
+        batch = unit or self._calls.batch
+        remove = self._remove if unit is None else partial(self._set_aside, unit)
+        if not keep:
+            remove(rest, recursive, maxdepth)
+            return
+        if batch is not None and batch.broken is not None:
             raise CmrootError(
                 "an earlier part of this transaction failed: nothing more is deleted",
-                str(unit.broken),
+                str(batch.broken),
             )
         try:
-            tx = self._prepare(keep, join=unit.tx if unit else None)
+            tx = self._prepare(keep, join=batch.tx if batch else None)
         except BaseException as e:
-            if unit is not None and unit.tx is not None:
-                unit.broken = e
+            if batch is not None and batch.tx is not None:
+                batch.broken = e
             raise
         if tx is None:
-            self._remove(keep + rest, recursive, maxdepth)
+            remove(keep + rest, recursive, maxdepth)
             return
-        if unit is not None:
-            unit.tx = tx
+        if batch is not None:
+            batch.tx = tx
         try:
             faults.point("fsspec.prepared")
-            self._remove(rest, recursive, maxdepth)
+            remove(rest, recursive, maxdepth)
         except faults.Crash:
             raise  # an injected crash: nothing more happens, as if the process died
         except BaseException as e:
-            if unit is not None:
-                unit.broken = e
+            if batch is not None:
+                batch.broken = e
             self._abort(tx, e)
             raise
-        if unit is None:
+        if batch is None:
             self._commit(tx, keep, replaced=False)
+
+    def _set_aside(
+        self, unit: _Batch, paths: list[str], recursive: bool, maxdepth: int | None
+    ) -> None:
+        """Inside `fs.transaction`, what would be deleted without a recycle (paths outside
+        the roots, or anything when failed open) is renamed to a hidden name beside it
+        instead: removed when the transaction commits (`_drop_aside`), renamed back if it
+        fails (`_undo`), so a block that raises leaves those paths as they were too."""
+        if not paths:
+            return
+        if self._local:
+            # The local target removes a directory whole (it ignores maxdepth): so does
+            # renaming the topmost paths.
+            guard = self._root_ids()
+            for p in _tops(paths):
+                where = _sibling(p)
+                parent, name = posixpath.split(p)
+                with _bound_dir(parent) as pfd, _named(name, p):
+                    if stat.S_ISDIR(os.lstat(name, dir_fd=pfd).st_mode):
+                        _check_dir_at(pfd, name, p, guard)
+                    os.rename(name, posixpath.basename(where), src_dir_fd=pfd, dst_dir_fd=pfd)
+                with unit.lock:
+                    unit.aside.append((p, where))
+            return
+        # Elsewhere exactly the files the target would delete; their directories (mere
+        # prefixes on an object store) go once empty, when the transaction commits.
+        for p in self.fs.expand_path(paths, recursive=recursive, maxdepth=maxdepth):
+            if self.fs.isdir(p):
+                with unit.lock:
+                    unit.emptied.append(p)
+                continue
+            where = _sibling(p)
+            self.fs.mv(p, where)
+            with unit.lock:
+                unit.aside.append((p, where))
+
+    def _drop_aside(self, batch: _Batch) -> None:
+        """Remove for good what `_set_aside` kept (the transaction commits)."""
+        self._remove([where for _, where in batch.aside], True, None)
+        self._prune(batch.emptied)
 
     def _remove(self, paths: list[str], recursive: bool, maxdepth: int | None) -> None:
         """Delete `paths` without a copy, deepest first: on the local filesystem bound to
@@ -571,11 +628,7 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
     def _rmdir_local(self, path: str, guard: _Guard) -> None:
         parent, name = posixpath.split(path)
         with _bound_dir(parent) as pfd, _named(name, path):
-            fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
-            try:
-                _check_guard(fd, path, guard)
-            finally:
-                os.close(fd)
+            _check_dir_at(pfd, name, path, guard)
             os.rmdir(name, dir_fd=pfd)
 
     def _prune(self, dirs: Iterable[str]) -> None:
@@ -613,8 +666,8 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         batch = self._calls.batch = _Batch()
         try:
             yield
-        except BaseException:
-            self._undo(batch)
+        except BaseException as e:
+            self._rollback(batch, e)  # with the sources a move out of the roots prepared
             raise
         finally:
             self._calls.batch = None
@@ -627,28 +680,60 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
                 self._add_swap(unit, s)
             unit.created += batch.created
 
+    def _made(self, dst: str) -> tuple[_Batch, _Made] | None:
+        """What this call (or transaction) last wrote at `dst`, and in which batch."""
+        for b in (self._calls.batch, self._unit()):  # the call's is the newer
+            if b is not None:
+                with b.lock:
+                    made = next((m for m in reversed(b.created) if m.path == dst), None)
+                if made is not None:
+                    return b, made
+        return None
+
     def _created_here(self, dst: str) -> bool:
-        """Whether this call (or transaction) created `dst`: its own output."""
-        return any(
-            p == dst for b in (self._calls.batch, self._unit()) if b for p, _ in b.created
-        )
+        """Whether this call (or transaction) wrote `dst` itself: its own output. A
+        warehouse file it moved there is not (see `_reclaim`)."""
+        found = self._made(dst)
+        return found is not None and found[1].source is None
+
+    def _reclaim(self, dst: str) -> None:
+        """Before `dst` is written whole: if this unit moved a warehouse file there, the
+        write would destroy it with no recycle (its old path is gone, and it is not the
+        unit's output). The move is undone and the file recycled at its source, into
+        the unit's transaction, as if the move had been a delete. If its source was
+        taken again meanwhile, the file stays at `dst`, where the write recycles it as it
+        recycles any existing file."""
+        found = self._made(dst)
+        if found is None:
+            return
+        batch, made = found
+        source = made.source
+        if source is None or self.fs.lexists(source):
+            return
+        self.fs.mv(dst, source)
+        with batch.lock:
+            batch.created.remove(made)
+        self._delete([source], [], False, None)
 
     def _replace(
         self,
         dst: str,
         write: Callable[[str], None],
         take_back: Callable[[str], None] | None = None,
+        source: str | None = None,
     ) -> None:
         """Write the resolved `dst` with `write(target)`: straight onto it unless that
         replaces a file under a root, else beside it, then swapped in (with the rest of
-        the call). `take_back(where)` undoes a write (default: delete what it wrote)."""
+        the call). `take_back(where)` undoes a write (default: delete what it wrote);
+        `source` is the warehouse file a move writes there."""
         back = take_back or self._drop
+        self._reclaim(dst)
         if not self._replaces(dst) or self._created_here(dst):
             write(dst)
             batch = self._batch()
             if batch is not None and self._key(dst) is not None:
                 with batch.lock:
-                    batch.created.append((dst, back))
+                    batch.created.append(_Made(dst, back, source))
             return
         swap = _Swap(dst, _sibling(dst), back)
         try:
@@ -695,7 +780,7 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
                 "the transaction was not committed: a part of it failed",
                 f"{batch.broken}; every path under the warehouse roots is as it was",
             ) from batch.broken
-        if not swaps and batch.tx is None and not batch.deferred:
+        if not (swaps or batch.tx or batch.deferred or batch.aside or batch.emptied):
             return
         tx = batch.tx
         try:
@@ -717,6 +802,7 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
                     tx.keep()
             while batch.deferred:
                 batch.deferred.pop(0).commit()
+            self._drop_aside(batch)
         except faults.Crash:
             raise
         except BaseException as e:
@@ -754,11 +840,14 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
 
     def _undo(self, batch: _Batch) -> None:
         """Take back what `batch` wrote: new files beside old ones, files it created under
-        a root, files the target deferred."""
+        a root (or copied out of one), files the target deferred; and put back what its
+        rms set aside."""
         for s in batch.swaps.values():
             self._quietly(s.take_back, s.tmp)
-        for path, back in reversed(batch.created):
-            self._quietly(back, path)
+        for made in reversed(batch.created):
+            self._quietly(made.take_back, made.path)
+        for path, where in reversed(batch.aside):
+            self._quietly(partial(self._give_back, path), where)
         while batch.deferred:
             f = batch.deferred.pop()
             try:
@@ -933,6 +1022,8 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         text: dict[str, Any] = {
             k: kwargs.pop(k) for k in ("encoding", "errors", "newline") if k in kwargs
         }
+        if "w" in mode:  # written whole: a warehouse file the unit moved here is not kept
+            self._reclaim(dst)
         unit = self._unit()
         if "x" in mode or not self._replaces(dst) or self._created_here(dst):
             if unit is None:
@@ -945,7 +1036,7 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
                 f = self.fs.open(dst, binary, block_size=block_size, **kwargs)
                 if self._key(dst) is not None:
                     with unit.lock:
-                        unit.created.append((dst, self._drop))
+                        unit.created.append(_Made(dst, self._drop))
             else:  # elsewhere: deferred by the target until the transaction commits
                 f = self.fs.open(dst, binary, block_size=block_size, autocommit=False, **kwargs)
                 with unit.lock:
@@ -1058,8 +1149,13 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
             and found == srcs
             and self._is_dir(srcs[0])
         ):
-            self._move_dir_local(srcs[0], self._resolve(path2))
-            return
+            dst = self._dir_dest(srcs[0], self._resolve(path2))
+            if not self._leaves(srcs[0], dst):
+                self._move_dir_local(srcs[0], dst)
+                return
+            # Out of the roots: whole, as the local target moves a directory, but file by
+            # file below, so that its files are copied out and then recycled.
+            path2, recursive, maxdepth = dst, True, None
         pairs, dirs = self._pairs(path1, path2, recursive, maxdepth)
         # What a moved directory leaves behind, removed once empty (as mv leaves none).
         emptied = [
@@ -1069,36 +1165,75 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
             for d in (top, *self.fs.find(top, maxdepth=maxdepth, withdirs=True, detail=False))
             if self._is_dir(d)
         ]
+        leaving: list[str] = []
         with self._one_call():
             for d in dirs:  # never destructive: an existing one (a root, say) is kept as is
                 self.fs.makedirs(d, exist_ok=True)
             for src, to in pairs:
+                dst = self._dest(to, follow=False)
+                if self._leaves(src, dst):
+                    self._copy_out(src, dst)
+                    leaving.append(src)
+                    continue
                 self._replace(
-                    self._dest(to, follow=False),
+                    dst,
                     partial(self.fs.mv, src),
                     partial(self._give_back, src),
+                    source=src if self._recyclable(src) else None,
                 )
-        self._prune(emptied)
+            # A directory moved out whole is recycled as one (the daemon removes it once
+            # the recycle commits: before, a rollback would find no directory to go to).
+            tops = [
+                t
+                for t in found
+                if recursive
+                and maxdepth is None
+                and self._is_dir(t)
+                and self._recyclable(t)
+                and any(_under(s, t) for s in leaving)
+            ]
+            gone = [s for s in leaving if not any(_under(s, t) for t in tops)]
+            if leaving:
+                self._delete([*tops, *gone], [], True, None)
+        self._prune([d for d in emptied if not any(_under(d, t) for t in tops)])
 
-    def _move_dir_local(self, src: str, dst: str) -> None:
-        """One rename of a directory, as the local target makes it (shutil.move: into an
-        existing directory under its own name, never over a name already taken there, so
-        it never replaces a file), bound to the checked directories: both parents opened
-        without following a symlink, the source checked against the roots by inode."""
+    def _leaves(self, src: str, dst: str) -> bool:
+        """Whether moving the resolved `src` to `dst` takes a warehouse file (or a
+        directory of them) out of the roots: a delete, as far as its table and the
+        replicas are concerned, so it is recycled (a move within the roots, into a
+        staging directory included, is not)."""
+        return self._recyclable(src) and self._below(dst) is None
+
+    def _copy_out(self, src: str, dst: str) -> None:
+        """The copy a move out of the roots leaves at `dst`; its source is recycled with
+        the rest of the call, and the copy removed if the call fails."""
+        batch = self._calls.batch
+        assert batch is not None  # mv runs in _one_call
+        with batch.lock:
+            batch.created.append(_Made(dst, self._drop))
+        self.fs.cp_file(src, dst)
+
+    def _dir_dest(self, src: str, dst: str) -> str:
+        """Where the local target's move of the directory `src` to `dst` puts it
+        (shutil.move: into an existing directory under its own name, never over a name
+        already taken there, so it never replaces a file); refused if that is a root or
+        contains one (moving into a root, or into its parent, is fine)."""
         real_dst = dst
         if os.path.isdir(dst):
             real_dst = posixpath.join(_slash(os.path.realpath(dst)), posixpath.basename(src))
-        self._refuse_roots([real_dst])  # moving into a root, or into its parent, is fine
+        self._refuse_roots([real_dst])
         if real_dst != dst and os.path.lexists(real_dst):
-                raise FileExistsError(errno.EEXIST, "Destination path already exists", real_dst)
+            raise FileExistsError(errno.EEXIST, "Destination path already exists", real_dst)
+        return real_dst
+
+    def _move_dir_local(self, src: str, real_dst: str) -> None:
+        """One rename of a directory to where `_dir_dest` puts it, bound to the checked
+        directories: both parents opened without following a symlink, the source
+        checked against the roots by inode."""
         guard = self._root_ids()
         (sparent, sname), (dparent, dname) = posixpath.split(src), posixpath.split(real_dst)
         with _bound_dir(sparent) as sfd, _bound_dir(dparent) as dfd:
-            fd = os.open(sname, _DIR_FLAGS, dir_fd=sfd)
-            try:
-                _check_guard(fd, src, guard)
-            finally:
-                os.close(fd)
+            _check_dir_at(sfd, sname, src, guard)
             try:
                 os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
                 return
@@ -1220,15 +1355,29 @@ class _Swap:
 
 
 @dataclass
+class _Made:
+    """A file a unit wrote at `path` (under a root, or a copy out of one) and how to take
+    it back; for a warehouse file it moved there, the `source` it came from (then not
+    the unit's own output: see `CmrootFileSystem._reclaim`)."""
+
+    path: str
+    take_back: Callable[[str], None]
+    source: str | None = None
+
+
+@dataclass
 class _Batch:
     """What one unit (a call, or `fs.transaction`) has done under the roots so far: the
-    replacements waiting to be swapped in, the files it created (with how to take each
-    back), the files the target deferred, and the transaction its rms prepared (with the
-    failure that broke it, if one did)."""
+    replacements waiting to be swapped in, the files it created, the files the target
+    deferred, what its rms set aside (path, where it waits) and the directories they
+    leave to remove once empty, and the transaction its rms (or a move out of the roots)
+    prepared (with the failure that broke it, if one did)."""
 
     swaps: dict[str, _Swap] = field(default_factory=dict)
-    created: list[tuple[str, Callable[[str], None]]] = field(default_factory=list)
+    created: list[_Made] = field(default_factory=list)
     deferred: list[Any] = field(default_factory=list)
+    aside: list[tuple[str, str]] = field(default_factory=list)
+    emptied: list[str] = field(default_factory=list)
     tx: _Tx | None = None
     broken: BaseException | None = None
     # A transaction's batch is shared by the threads writing inside it.
@@ -1494,6 +1643,16 @@ def _check_guard(fd: int, path: str, guard: _Guard) -> None:
         raise _refusal(path, root, "is" if path == root else "contains")
 
 
+def _check_dir_at(dir_fd: int, name: str, path: str, guard: _Guard) -> None:
+    """Forbidden if the directory `name` below `dir_fd` (not followed if a symlink) is a
+    root or holds one."""
+    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    try:
+        _check_guard(fd, path, guard)
+    finally:
+        os.close(fd)
+
+
 def _rmtree_at(dir_fd: int, name: str, path: str, guard: _Guard) -> None:
     """Remove the directory `name` below `dir_fd` and everything in it, each directory
     opened without following a symlink (a symlink is removed as a name) and checked
@@ -1557,6 +1716,15 @@ def _slash(path: str) -> str:
 def _under(path: str, top: str) -> bool:
     """`path` is `top` or lies below it."""
     return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _tops(paths: Iterable[str]) -> list[str]:
+    """Those of `paths` below none of the others."""
+    tops: list[str] = []
+    for p in sorted(set(paths)):
+        if not any(_under(p, t) for t in tops):
+            tops.append(p)
+    return tops
 
 
 def _sibling(path: str) -> str:

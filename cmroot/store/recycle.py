@@ -472,9 +472,11 @@ class Recycler:
             return self._roll_back(self._prepared(txid))
 
     def renew(self, txid: str, lease: float) -> float:
-        """Extend a prepared transaction's lease; returns its new deadline."""
+        """Extend a prepared transaction's lease; returns its new deadline. One whose
+        lease has passed is rolled back, not renewed (`_prepared`)."""
         until = self.clock() + _lease(lease)
         with self._tx_lock(txid):
+            self._prepared(txid)
             if not self.index.journal_renew(txid, until):
                 raise self._gone(txid)
         return until
@@ -521,7 +523,7 @@ class Recycler:
     def _prepared(self, txid: str) -> PendingTx:
         """A prepared transaction still within its lease. One whose lease has passed is
         rolled back here and now, whether or not the expiry job got to it yet: the answer
-        to a late commit never depends on timing."""
+        to a late commit, join, renew or abort never depends on timing."""
         found = self.index.pending(txid) if _TXID.fullmatch(txid) else []
         if not found or found[0].state != TxState.PREPARED:
             raise self._gone(txid)
