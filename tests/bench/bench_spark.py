@@ -1,13 +1,20 @@
-"""Spark hook benchmark: the same destructive statements with the cmroot hook and without,
-in the same run.
+"""Spark hook benchmark: the same statements with the cmroot hook and without, in the same
+run.
 
     python -m tests.bench.bench_spark [--scale full|smoke] [--dir DIR] [--reps N]
+                                      [--only drop,truncate] [--profile DIR]
 
-Rows:
-  DROP TABLE        of a managed, unpartitioned parquet table of N files (2,000 at full
-                    scale, 64 KiB each, every file distinct).
-  INSERT OVERWRITE  `INSERT OVERWRITE TABLE t SELECT ...` of such a table (the old N files
+Rows (N = 2,000 files at full scale, 78 KiB each (64 KiB of random int64s), every file distinct):
+  DROP TABLE        of a managed, unpartitioned parquet table of N files.
+  INSERT OVERWRITE  `INSERT OVERWRITE TABLE t SELECT 42L` of such a table (the old N files
                     are deleted; one small new file is written).
+  INSERT INTO       `INSERT INTO t SELECT 42L`: one small file appended to such a table
+                    (nothing is deleted; the N files must all still be there).
+  TRUNCATE (part.)  `TRUNCATE TABLE t` of a parquet table partitioned by `p`, its N files
+                    spread over 20 partitions (4 at smoke scale).
+  Hive OVERWRITE    `INSERT OVERWRITE TABLE t SELECT 42L` of a Hive-format table
+                    (`STORED AS PARQUET`, with spark.sql.hive.convertMetastoreParquet=false
+                    so Spark writes through Hive's InsertIntoHiveTable, checked) of N files.
 
 Each side is its own Spark application (local[2], Hive support, embedded Derby metastore):
 "without" is plain PySpark, "with" adds exactly what `cmroot.spark.configure` sets and talks
@@ -15,7 +22,20 @@ to a real `cmroot serve` on loopback whose store is on the same filesystem as th
 (recycling is a rename, as the README asks). Both sides run the same statements on identical
 tables copied from one generated master, after one untimed warm-up round; each figure is
 the median of `--reps` rounds, timed with `time.perf_counter` around the `spark.sql` call
-(JVM start-up and table set-up are not timed). Goal: with/without <= 1.5x.
+(JVM start-up and table set-up are not timed). Goal: with/without <= 1.5x. Every run is
+printed under the table, with the 1-minute load average before each side. The full scale
+runs the sides one after the other; the smoke scale (12 files, for the test suite) runs
+them at once to stay under a minute, so its figures are not worth comparing.
+
+On the "with" side the daemon's `/metrics` is read before and after every timed statement:
+the difference of `cmroot_http_request_duration_seconds_count` (and `_sum`) by route is the
+HTTP requests (and the daemon's time answering them) the statement cost. A round trip per
+file would show as N requests.
+
+`--profile DIR` also runs the daemon under a sampling profiler (all threads, every 5 ms;
+report in DIR/daemon-profile.txt) and turns on the hook's DEBUG log (logger io.cmroot.spark:
+prepare times in ms), saved per statement in DIR/hook-debug.log. Take the table's figures
+from a run without it.
 
 Progress goes to stderr, the markdown table to stdout.
 """
@@ -23,14 +43,18 @@ Progress goes to stderr, the markdown table to stdout.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,21 +63,30 @@ from tests.bench.harness import log
 
 REPO = Path(__file__).resolve().parents[2]
 GOAL = 1.5
-OPS = ("drop", "overwrite")
-LABELS = {"drop": "DROP TABLE", "overwrite": "INSERT OVERWRITE"}
+OPS = ("drop", "overwrite", "insert", "truncate", "hive_overwrite")
+LABELS = {
+    "drop": "DROP TABLE",
+    "overwrite": "INSERT OVERWRITE",
+    "insert": "INSERT INTO",
+    "truncate": "TRUNCATE (partitioned)",
+    "hive_overwrite": "INSERT OVERWRITE (Hive format)",
+}
+PROBES = ("/metrics", "/healthz", "/readyz")
 
 
 @dataclass(frozen=True)
 class Scale:
     files: int
-    rows_per_file: int  # 8 bytes each, random: ~64 KiB per file at full scale
+    rows_per_file: int  # 8 bytes each, random: 64 KiB of data, 78 KiB files at full scale
+    partitions: int  # of the TRUNCATE row's table
     reps: int
 
 
 SCALES = {
-    "full": Scale(files=2000, rows_per_file=8192, reps=5),
-    "smoke": Scale(files=40, rows_per_file=64, reps=1),
+    "full": Scale(files=2000, rows_per_file=8192, partitions=20, reps=5),
+    "smoke": Scale(files=12, rows_per_file=64, partitions=3, reps=1),
 }
+
 
 def make_master(d: Path, scale: Scale) -> Path:
     """N distinct parquet files, written once with pyarrow, copied into each table."""
@@ -70,6 +103,35 @@ def make_master(d: Path, scale: Scale) -> Path:
     return master
 
 
+# -- the daemon's request counters ----------------------------------------------------------
+_COUNT = re.compile(
+    r'^cmroot_http_request_duration_seconds_(count|sum)\{route="([^"]*)"\} (\S+)$', re.M
+)
+
+
+def scrape(url: str) -> dict[str, tuple[float, float]]:
+    """route -> (requests, seconds answering them) so far, probes left out."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, list[float]] = {}
+    for kind, route, value in _COUNT.findall(text):
+        if route not in PROBES:
+            out.setdefault(route, [0.0, 0.0])[kind == "sum"] = float(value)
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def requests_between(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, list[float]]:
+    """route -> [requests, daemon seconds] made between two scrapes."""
+    out = {}
+    for route, (n, s) in after.items():
+        n0, s0 = before.get(route, (0.0, 0.0))
+        if n > n0:
+            out[route] = [n - n0, s - s0]
+    return out
+
+
 # -- one side: a Spark application ------------------------------------------------------------
 def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(REPO))
@@ -78,66 +140,268 @@ def worker(args: argparse.Namespace) -> None:
     base = Path(args.dir)
     warehouse = base / "warehouse"
     builder = spark_builder(base, warehouse, app=f"bench-{args.side}")
+    # Hive-format parquet tables stay Hive tables (InsertIntoHiveTable writes them); the
+    # other rows' tables are data source tables, which this does not touch.
+    builder = builder.config("spark.sql.hive.convertMetastoreParquet", "false")
     if args.side == "with":
         from cmroot.spark import configure
 
         builder = configure(builder, url=args.url)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    hook_log = _debug_log(spark) if args.side == "with" and args.profile else None
     master = Path(args.master)
-    results: dict[str, list[float]] = {op: [] for op in OPS}
+    names = sorted(p.name for p in master.iterdir())
+    ops = args.ops.split(",")
+    partitions = int(args.partitions)
+    results: dict[str, Any] = {
+        "times": {op: [] for op in ops}, "load": {op: [] for op in ops},
+        "requests": {op: [] for op in ops},
+    }
 
-    def make(name: str) -> None:
-        spark.sql(f"CREATE TABLE {name} (id BIGINT) USING parquet")
+    def make(name: str, op: str) -> Path:
         tdir = warehouse / name
-        for f in master.iterdir():
-            shutil.copyfile(f, tdir / f.name)
+        if op == "truncate":
+            spark.sql(f"CREATE TABLE {name} (id BIGINT, p INT) USING parquet PARTITIONED BY (p)")
+            for i, n in enumerate(names):
+                (tdir / f"p={i % partitions}").mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(master / n, tdir / f"p={i % partitions}" / n)
+            spark.sql(f"ALTER TABLE {name} RECOVER PARTITIONS")
+        else:
+            spark.sql(f"CREATE TABLE {name} (id BIGINT) "
+                      + ("STORED AS PARQUET" if op == "hive_overwrite" else "USING parquet"))
+            for n in names:
+                shutil.copyfile(master / n, tdir / n)
         spark.sql(f"REFRESH TABLE {name}")
         os.sync()
+        return tdir
+
+    def check(op: str, name: str, tdir: Path, q: str, df: Any, warm_up: bool) -> None:
+        files = [p for p in tdir.rglob("*") if p.is_file() and not p.name.startswith((".", "_"))]
+        old = [p for p in files if p.name in names]
+        if op == "insert":
+            if len(old) != len(names) or len(files) <= len(names):
+                raise SystemExit(f"{q}: {len(old)} of {len(names)} old files kept, "
+                                 f"{len(files) - len(old)} new")
+        elif old:
+            raise SystemExit(f"{q}: {len(old)} old files still there")
+        if op == "truncate" and warm_up:
+            n = len(spark.sql(f"SHOW PARTITIONS {name}").collect())
+            log(f"{args.side}: TRUNCATE left {n} partition(s) registered")
+        if op == "hive_overwrite" and warm_up:
+            plan = str(df._jdf.queryExecution().executedPlan().toString())
+            if "InsertIntoHiveTable" not in plan:
+                raise SystemExit(f"{q} did not go through Hive's write path:\n{plan}")
 
     for rnd in range(args.reps + 1):  # round 0 warms up and is not counted
-        for op in OPS:
+        for op in ops:
             name = f"t_{op}_{rnd}"
-            make(name)
-            q = (f"DROP TABLE {name}" if op == "drop"
-                 else f"INSERT OVERWRITE TABLE {name} SELECT 42L")
+            tdir = make(name, op)
+            q = {
+                "drop": f"DROP TABLE {name}",
+                "overwrite": f"INSERT OVERWRITE TABLE {name} SELECT 42L",
+                "insert": f"INSERT INTO {name} SELECT 42L",
+                "truncate": f"TRUNCATE TABLE {name}",
+                "hive_overwrite": f"INSERT OVERWRITE TABLE {name} SELECT 42L",
+            }[op]
+            before = scrape(args.url) if args.url else {}
+            load = os.getloadavg()[0]
             t = time.perf_counter()
-            spark.sql(q).collect()
+            df = spark.sql(q)
+            df.collect()
             elapsed = time.perf_counter() - t
-            left = [p for p in (warehouse / name).glob("part-*") if p.name in _names(master)]
-            if left:
-                raise SystemExit(f"{q}: {len(left)} old files still there")
+            after = scrape(args.url) if args.url else {}
+            check(op, name, tdir, q, df, rnd == 0)
+            if hook_log is not None:
+                with open(Path(args.profile) / "hook-debug.log", "a") as f:
+                    f.write(f"== {args.side} round {rnd} {q}: {elapsed:.3f} s\n{hook_log()}")
             if rnd:
-                results[op].append(elapsed)
-            if op == "overwrite":
+                results["times"][op].append(elapsed)
+                results["load"][op].append(load)
+                results["requests"][op].append(requests_between(before, after))
+            if op != "drop":
                 spark.sql(f"DROP TABLE {name}")
     spark.stop()
     print(json.dumps(results))
 
 
-_NAMES: set[str] = set()
+def _debug_log(spark: Any) -> Any:
+    """The hook's logger (io.cmroot.spark) at DEBUG into a buffer; returns a callable giving
+    (and clearing) what it logged since the last call."""
+    jvm = spark.sparkContext._jvm
+    log4j = jvm.org.apache.logging.log4j
+    log4j.core.config.Configurator.setLevel("io.cmroot.spark", log4j.Level.DEBUG)
+    writer = jvm.java.io.StringWriter()
+    appender = log4j.core.appender.WriterAppender.createAppender(
+        log4j.core.layout.PatternLayout.createDefaultLayout(), None, writer, "cmroot-bench",
+        False, True)
+    appender.start()
+    log4j.LogManager.getContext(False).getLogger("io.cmroot.spark").addAppender(appender)
+
+    def take() -> str:
+        buf = writer.getBuffer()
+        text = str(buf.toString())
+        buf.setLength(0)
+        return text
+
+    return take
 
 
-def _names(master: Path) -> set[str]:
-    if not _NAMES:
-        _NAMES.update(p.name for p in master.iterdir())
-    return _NAMES
-
-
-def run_side(side: str, base: Path, master: Path, reps: int, url: str | None) -> dict[str, Any]:
+def start_side(side: str, base: Path, master: Path, reps: int, url: str | None,
+               ops: list[str], scale: Scale, profile: Path | None) -> subprocess.Popen[str]:
     d = base / side
     d.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "tests.bench.bench_spark", "--worker", side, "--dir", str(d),
-           "--master", str(master), "--reps", str(reps)]
+           "--master", str(master), "--reps", str(reps), "--ops", ",".join(ops),
+           "--partitions", str(scale.partitions)]
     if url:
         cmd += ["--url", url]
+    if profile:
+        cmd += ["--profile", str(profile)]
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log(f"running the {side}-hook side")
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=d, env=env, check=False)
-    if res.returncode != 0:
-        raise SystemExit(f"the {side}-hook side failed:\n{res.stderr[-4000:]}")
-    out: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=d, env=env)
+
+
+def finish_side(side: str, proc: subprocess.Popen[str]) -> dict[str, Any]:
+    stdout, stderr = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"the {side}-hook side failed:\n{stderr[-4000:]}")
+    out: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
     return out
+
+
+# -- --profile: the daemon under a sampling profiler ------------------------------------------
+_IDLE = (  # (file suffix, function) of a thread's innermost frame while it waits for work
+    ("threading.py", "wait"), ("threading.py", "_wait_for_tstate_lock"),
+    ("selectors.py", "select"), ("concurrent/futures/thread.py", "_worker"),
+    ("queue.py", "get"), ("threading.py", "run"),
+)
+
+
+def profiled_daemon(out: str) -> int:
+    """`cmroot serve` with a thread sampling every thread's stack every 5 ms; on exit, the
+    functions where busy threads were (self) and under (inclusive), to `out`."""
+    from cmroot.cli import main as cli
+
+    busy = collections.Counter[tuple[str, str, int]]()
+    own = collections.Counter[tuple[str, str]]()
+    under = collections.Counter[tuple[str, str]]()
+    by_thread = collections.Counter[str]()
+    stop = threading.Event()
+
+    def sample() -> None:
+        me = threading.get_ident()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        while not stop.wait(0.005):
+            for ident, frame in sys._current_frames().items():
+                code = frame.f_code
+                if ident == me or any(code.co_filename.endswith(f) and code.co_name == n
+                                      for f, n in _IDLE):
+                    continue
+                if ident not in names:
+                    names = {t.ident: t.name for t in threading.enumerate()}
+                by_thread[re.sub(r"_\d+$", "", names.get(ident, "?"))] += 1
+                busy[(code.co_filename, code.co_name, frame.f_lineno)] += 1
+                own[(code.co_filename, code.co_name)] += 1
+                seen = set()
+                f: Any = frame
+                while f is not None:
+                    key = (f.f_code.co_filename, f.f_code.co_name)
+                    if key not in seen:
+                        seen.add(key)
+                        under[key] += 1
+                    f = f.f_back
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        return cli(["serve"])
+    finally:
+        stop.set()
+        sampler.join()
+        total = sum(by_thread.values()) or 1
+
+        def short(path: str) -> str:
+            return re.sub(r"^.*/(site-packages|lib/python3\.\d+|work/main)/", "", path)
+
+        with open(out, "w") as f:
+            print(f"busy samples (5 ms each): {total}", file=f)
+            for name, n in by_thread.most_common():
+                print(f"  {n:7d} {100 * n / total:5.1f}%  thread {name}", file=f)
+            print("\ninclusive (busy thread anywhere under the function):", file=f)
+            for (path, fn), n in under.most_common(60):
+                print(f"  {n:7d} {100 * n / total:5.1f}%  {fn}  {short(path)}", file=f)
+            print("\nself (innermost Python function; C calls it makes count here):", file=f)
+            for (path, fn), n in own.most_common(40):
+                print(f"  {n:7d} {100 * n / total:5.1f}%  {fn}  {short(path)}", file=f)
+            print("\nself by line:", file=f)
+            for (path, fn, line), n in busy.most_common(40):
+                print(f"  {n:7d} {100 * n / total:5.1f}%  {fn}  {short(path)}:{line}", file=f)
+
+
+def start_daemon(base: Path, profile: Path | None) -> Any:
+    from tests.spark.sparklib import Daemon
+
+    daemon = Daemon(base)
+    if profile is None:
+        return daemon.start()
+    logf = open(base / "daemon.log", "ab")  # noqa: SIM115 - owned by the process
+    daemon.proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.bench.bench_spark", "--profiled-daemon",
+         str(profile / "daemon-profile.txt")],
+        env=daemon.env(), stdout=logf, stderr=logf, cwd=REPO,
+    )
+    deadline = time.monotonic() + 60
+    while not daemon.client.healthy():
+        if daemon.proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"cmroot serve did not start: {(base / 'daemon.log').read_text()}")
+        time.sleep(0.1)
+    return daemon
+
+
+# -- the report ---------------------------------------------------------------------------
+def report(scale_name: str, scale: Scale, reps: int, ops: list[str], size: int,
+           recycled: int, without: dict[str, Any], with_hook: dict[str, Any],
+           load: dict[str, tuple[float, float, float]]) -> None:
+    print(f"Spark hook benchmark ({scale_name}): {scale.files} files per table, "
+          f"{size / scale.files / 1024:.0f} KiB each (TRUNCATE: over {scale.partitions} "
+          f"partitions); median of {reps} rounds after a warm-up; {recycled} files recycled "
+          f"by the hooked side; {os.cpu_count()} CPUs\n")
+    print("| operation | files | without hook (s) | with hook (s) | ratio | goal |")
+    print("|---|---|---|---|---|---|")
+    for op in ops:
+        a = statistics.median(without["times"][op])
+        b = statistics.median(with_hook["times"][op])
+        print(f"| {LABELS[op]} | {scale.files} | {a:.3f} | {b:.3f} | {b / a:.2f}x "
+              f"| <= {GOAL}x {'met' if b / a <= GOAL else 'NOT met'} |")
+    print("\nEvery run (s), without / with, and the 1-minute load average before it:")
+    for op in ops:
+        runs = "; ".join(
+            f"{a:.3f} / {b:.3f} ({b / a:.2f}x, load {la:.1f}/{lb:.1f})"
+            for a, b, la, lb in zip(without["times"][op], with_hook["times"][op],
+                                    without["load"][op], with_hook["load"][op], strict=True))
+        print(f"  {LABELS[op]}: {runs}")
+    print("\nDaemon HTTP requests per statement on the with-hook side (route: requests, "
+          "daemon seconds answering them; median over the rounds):")
+    for op in ops:
+        per_run = with_hook["requests"][op]
+        routes = sorted({r for run in per_run for r in run})
+        parts = []
+        for r in routes:
+            n = statistics.median(run.get(r, [0, 0])[0] for run in per_run)
+            s = statistics.median(run.get(r, [0, 0])[1] for run in per_run)
+            parts.append(f"{r}: {n:g} ({s:.3f} s)")
+        total = statistics.median(sum(v[0] for v in run.values()) for run in per_run)
+        print(f"  {LABELS[op]}: {total:g} request(s) for {scale.files} files"
+              f" -- {'; '.join(parts) or 'none'}")
+    print("\nLoad average (1, 5, 15 min): " + "; ".join(
+        f"{k} {a:.2f} {b:.2f} {c:.2f}" for k, (a, b, c) in load.items()))
+    worst = max(max(s["load"][op]) for s in (without, with_hook) for op in ops)
+    if worst > (os.cpu_count() or 1):
+        print(f"WARNING: the 1-minute load reached {worst:.1f} on {os.cpu_count()} CPUs before "
+              "a timed statement: other jobs competed for the machine; compare with care.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,45 +409,68 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", choices=list(SCALES), default="full")
     p.add_argument("--dir", help="scratch directory (default: $TMPDIR)")
     p.add_argument("--reps", type=int)
+    p.add_argument("--only", help=f"comma-separated subset of {','.join(OPS)}")
+    p.add_argument("--profile", help="directory for the daemon profile and the hook's DEBUG log")
     p.add_argument("--worker", choices=["with", "without"], help=argparse.SUPPRESS)
     p.add_argument("--master", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
+    p.add_argument("--ops", help=argparse.SUPPRESS)
+    p.add_argument("--partitions", help=argparse.SUPPRESS)
+    p.add_argument("--profiled-daemon", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.profiled_daemon:
+        return profiled_daemon(args.profiled_daemon)
     scale = SCALES[args.scale]
     reps = args.reps or scale.reps
     if args.worker:
         args.side = args.worker
         worker(args)
         return 0
+    ops = [o.strip() for o in args.only.split(",")] if args.only else list(OPS)
+    if set(ops) - set(OPS):
+        p.error(f"--only: use some of {','.join(OPS)}")
+    profile = Path(args.profile).resolve() if args.profile else None
+    if profile:
+        profile.mkdir(parents=True, exist_ok=True)
 
     sys.path.insert(0, str(REPO))
     from cmroot.spark import build_jar
-    from tests.spark.sparklib import Daemon
+    from cmroot.vocab import DESTRUCTIVE
 
+    load = {"start": os.getloadavg()}
     base = Path(tempfile.mkdtemp(prefix="cmroot-bench-spark-", dir=args.dir))
-    daemon = None
+    daemon = proc = None
     try:
         log(f"generating {scale.files} parquet files")
         master = make_master(base, scale)
         build_jar()
-        without = run_side("without", base, master, reps, None)
-        daemon = Daemon(base / "with").start()
-        with_hook = run_side("with", base, master, reps, daemon.url)
-        recycled = sum(len(e["files"] or []) for e in daemon.client.events(0, 1000))
+        # The smoke scale (which times nothing worth comparing) runs both sides at once, to
+        # stay well under a minute; the full scale runs them one after the other.
+        proc = start_side("without", base, master, reps, None, ops, scale, None)
+        if args.scale != "smoke":
+            without = finish_side("without", proc)
+        daemon = start_daemon(base / "with", profile)
+        with_hook = finish_side("with", start_side("with", base, master, reps, daemon.url,
+                                                   ops, scale, profile))
+        if args.scale == "smoke":
+            without = finish_side("without", proc)
+        recycled, nxt = 0, 0
+        while events := daemon.client.events(nxt, 1000):
+            recycled += sum(len(e["files"] or []) for e in events if e["eventType"] in DESTRUCTIVE)
+            nxt = events[-1]["id"] + 1
         size = sum(f.stat().st_size for f in master.iterdir())
     finally:
+        if proc is not None and proc.poll() is None:  # the other side failed first
+            proc.kill()
+            proc.communicate()
         if daemon:
             daemon.stop()
         shutil.rmtree(base, ignore_errors=True)
-    print(f"Spark hook benchmark ({args.scale}): {scale.files} files per table, "
-          f"{size / scale.files / 1024:.0f} KiB each; median of {reps} rounds after a warm-up; "
-          f"{recycled} files recycled by the hooked side\n")
-    print("| operation | files | without hook (s) | with hook (s) | ratio | goal |")
-    print("|---|---|---|---|---|---|")
-    for op in OPS:
-        a, b = statistics.median(without[op]), statistics.median(with_hook[op])
-        print(f"| {LABELS[op]} | {scale.files} | {a:.3f} | {b:.3f} | {b / a:.2f}x "
-              f"| <= {GOAL}x {'met' if b / a <= GOAL else 'NOT met'} |")
+    load["end"] = os.getloadavg()
+    report(args.scale, scale, reps, ops, size, recycled, without, with_hook, load)
+    if profile:
+        log(f"daemon profile in {profile / 'daemon-profile.txt'}, hook log in "
+            f"{profile / 'hook-debug.log'}")
     return 0
 
 
