@@ -54,6 +54,9 @@ class RecycleBody(Struct, forbid_unknown_fields=True, frozen=True):
     table: Name | None = None
     partitions: Partitions | None = None
     location: PathStr | None = None
+    # The table's partitions' own locations outside its directory (its files there are the
+    # table's too).
+    partitionLocations: Annotated[list[PathStr], Meta(max_length=MAX_ITEMS)] | None = None
     # Two-phase: stage the files unseen (commit or abort them through /v1/transactions);
     # `txid` adds them to a prepared transaction of the same statement.
     prepare: bool = False
@@ -71,6 +74,7 @@ class RecycleBody(Struct, forbid_unknown_fields=True, frozen=True):
             table=self.table,
             partitions=self.partitions or [],
             location=self.location,
+            partition_locations=self.partitionLocations or [],
         )
         req.validate()
         return req
@@ -222,6 +226,7 @@ _HINTS = {
     "server": f"give a name of at most {MAX_NAME} characters, or null",
     "partitions": 'give a list of {"key": "value"} objects of strings',
     "location": "give the table's location as an absolute path or URL, or null",
+    "partitionLocations": "give a list of absolute paths or URLs (partition directories)",
     "checksum": "give an xxh3-128 checksum: 32 lowercase hex digits",
     "size": f"give the size in bytes as a non-negative integer (at most {MAX_INT})",
     "timestamp": "give seconds since the epoch, or leave it out (the daemon stamps events)",

@@ -69,6 +69,9 @@ class RecycleRequest:
     table: str | None = None
     partitions: Sequence[dict[str, str]] = ()
     location: str | None = None  # the table's location, recorded on the event
+    # The table's partitions' own locations outside its directory: files under them are the
+    # labelled table's too (see _one_table).
+    partition_locations: Sequence[str] = ()
 
     def validate(self) -> None:
         if (
@@ -91,6 +94,15 @@ class RecycleRequest:
             ):
                 raise BadRequest(f"bad {name}", f"{value!r}: give a name as a string")
         validate_partitions(self.partitions)
+        if isinstance(self.partition_locations, (str, bytes)) or not all(
+            isinstance(p, str) for p in self.partition_locations
+        ):
+            raise BadRequest("bad partitionLocations", "give a list of absolute paths or URLs")
+        if self.partition_locations and self.table is None:
+            raise BadRequest(
+                "partitionLocations without a table",
+                'partitionLocations are a table\'s partitions: give "table" too',
+            )
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RecycleRequest:
@@ -107,6 +119,7 @@ class RecycleRequest:
             "table": self.table,
             "partitions": [dict(p) for p in self.partitions],
             "location": self.location,
+            "partition_locations": list(self.partition_locations),
         }
 
 
@@ -205,6 +218,8 @@ class Recycler:
         req.validate()
         if req.location is not None:
             req = replace(req, location=self.warehouse.locate(req.location).key)
+        if req.partition_locations:
+            req = replace(req, partition_locations=self._partition_dirs(req.partition_locations))
         mode = Mode(req.mode)
         located = [self.warehouse.locate(p) for p in req.paths]
         for loc in located:
@@ -222,6 +237,21 @@ class Recycler:
             for i, (root, f) in enumerate(found, first_seq)
         ]
         return req, mode, items, [d.key for d in dirs]
+
+    def _partition_dirs(self, dirs: Sequence[str]) -> list[str]:
+        """Declared partition locations, confined and canonical; never a root or above one
+        (that would file a whole warehouse under one table)."""
+        out: list[str] = []
+        for d in dirs:
+            key = self.warehouse.locate(d).key
+            if self.warehouse.protected(key):
+                raise Forbidden(
+                    "a warehouse root is not a partition",
+                    f"{key} is a warehouse root or contains one: give the partition's own "
+                    "directory in partitionLocations",
+                )
+            out.append(key)
+        return out
 
     def _finish(self, txid: str, mode: Mode, items: Sequence[Item], dirs: Sequence[str]) -> None:
         try:
@@ -614,6 +644,8 @@ def _one_table(req: RecycleRequest, paths: Iterable[tuple[Root, str, str]]) -> N
         return
     tables: dict[tuple[str, str], str] = {}
     for root, rel, key in paths:
+        if any(key == d or key.startswith(d.rstrip("/") + "/") for d in req.partition_locations):
+            continue  # in a partition's own location, declared as the table's
         parts = rel.split("/")
         in_db = parts[0].endswith(".db")
         if in_db and len(parts) < 2:
@@ -644,7 +676,10 @@ def _merge(first: RecycleRequest, more: RecycleRequest) -> RecycleRequest:
             )
     partitions = [dict(p) for p in first.partitions]
     partitions += [dict(p) for p in more.partitions if dict(p) not in partitions]
-    return replace(first, paths=[*first.paths, *more.paths], partitions=partitions)
+    dirs = list(dict.fromkeys([*first.partition_locations, *more.partition_locations]))
+    return replace(
+        first, paths=[*first.paths, *more.paths], partitions=partitions, partition_locations=dirs
+    )
 
 
 # A source that vanished, or whose path changed shape, between listing and staging.

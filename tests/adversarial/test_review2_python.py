@@ -5,7 +5,6 @@ real daemon subprocesses over loopback HTTP, real SQLite, real files under tmp d
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,7 +17,7 @@ from cmroot import checksum as cks
 from cmroot.client import Client
 from cmroot.exceptions import CmrootError
 from cmroot.hooks.fsspec import CmrootFileSystem
-from tests.server.cmroot_daemon import Daemon, MakeDaemon, write_files
+from tests.server.cmroot_daemon import Daemon, write_files
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -77,7 +76,7 @@ def test_mv_of_a_warehouse_file_out_of_the_roots_loses_it(wh: Daemon, tmp_path: 
     (a delete, as far as the table and its replicas are concerned) with no recycle and no
     event: (original path, checksum) resolves `missing` (invariant 1)."""
     files = table(wh, 1)
-    [(src, data)] = files.items()
+    [(src, _data)] = files.items()
     hook(wh).mv(src, str(tmp_path / "x"))
     assert not Path(src).exists()
     assert lost(wh, files) == []
@@ -141,7 +140,7 @@ def test_a_renew_after_the_lease_passed_resurrects_the_transaction(env, store) -
 class _Busy503(BaseHTTPRequestHandler):
     retry_after = "\xb2"  # "²" in ISO-8859-1: str.isdigit() is True, float() refuses it
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         body = b'{"error": "busy", "detail": "retry"}'
         self.send_response(503)

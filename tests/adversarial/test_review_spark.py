@@ -551,10 +551,6 @@ def test_overwrite_of_a_custom_location_partition_records_no_insert(
     assert ow["partitions"] == [{"p": "9"}]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 11: needs a daemon change: it takes one table directory per labelled recycle "
-    "(400 'one table per recycle'), so a custom partition location outside the table "
-    "directory cannot join the TRUNCATE; it stays a DELETE in the same statement"))
 def test_truncate_records_a_custom_location_partition_as_an_anonymous_delete(
         lake: Lake, custom: Path) -> None:
     """Invariant 2 (one statement, one unit) and issue 11 item 7. TRUNCATE TABLE cl: the

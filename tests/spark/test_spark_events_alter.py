@@ -191,3 +191,27 @@ def test_load_data_of_another_tables_file_is_refused_whole_when_unkept(
         lake.sql(f"LOAD DATA INPATH '{moved}' INTO TABLE {DB}.ldst")
     assert os.path.exists(moved) and data_files(tdir(lake, "ldst")) == set()
     assert lake.daemon.events_after(since) == []
+
+
+@pytest.mark.parametrize("statement", [
+    "DROP TABLE {t}",
+    "ALTER TABLE {t} DROP PARTITION (p=1), PARTITION (p=9)",
+    "TRUNCATE TABLE {t}",
+])
+def test_a_partition_at_its_own_location_is_part_of_its_tables_recycle(
+    lake: Lake, db: str, statement: str
+) -> None:
+    name = f"own_{statement.split()[0].lower()}"
+    t = partitioned(lake, name)
+    own = lake.warehouse / "own_parts" / name
+    lake.sql(f"ALTER TABLE {DB}.{name} ADD PARTITION (p=9) LOCATION '{own}'")
+    lake.sql(f"INSERT INTO {DB}.{name} PARTITION (p=9) VALUES (9)")
+    kept = data_files(own)
+    assert kept
+    events = run(lake, statement.format(t=f"{DB}.{name}"))
+    destructive = [e for e in events if e["files"]]
+    assert len(destructive) == 1, [(e["eventType"], e["table"]) for e in events]
+    [e] = destructive
+    assert (e["db"], e["table"], e["location"]) == (DB, name, str(t))
+    assert kept <= {f["path"] for f in e["files"]}
+    assert not data_files(own)

@@ -234,12 +234,14 @@ public final class Cmroot {
   // shapes: a user's table or partition directory is never taken for one (a table named
   // `_temporary_orders` or `.hive-staging-x` is data). Spark's dynamic overwrite stages in
   // .spark-staging-<job UUID>; Hive (and Spark's HiveTempPath) in
-  // .hive-staging_hive_<yyyy-MM-dd_HH-mm-ss_SSS>_<random>-<task runner id>.
+  // <hive.exec.stagingdir>_hive_<yyyy-MM-dd_HH-mm-ss_SSS>_<random>-<task runner id>, where
+  // hive.exec.stagingdir is .hive-staging unless the application or a session (SET) names
+  // another: the shape after the name is Hive's own and unlike any table's directory.
   private static final java.util.regex.Pattern SPARK_STAGING = java.util.regex.Pattern.compile(
       "\\.spark-staging-\\p{XDigit}{8}-\\p{XDigit}{4}-\\p{XDigit}{4}-\\p{XDigit}{4}-"
           + "\\p{XDigit}{12}");
   private static final java.util.regex.Pattern HIVE_STAGING = java.util.regex.Pattern.compile(
-      "\\.hive-staging_hive_\\d{4}-\\d{2}-\\d{2}_\\d{2}-\\d{2}-\\d{2}_\\d{3}_-?\\d+-\\d+");
+      "[^/]+_hive_\\d{4}-\\d{2}-\\d{2}_\\d{2}-\\d{2}-\\d{2}_\\d{3}_-?\\d+-\\d+");
   // Hadoop's FileOutputCommitter writes under <output>/_temporary/<application attempt>/.
   private static final java.util.regex.Pattern ATTEMPT = java.util.regex.Pattern.compile(
       "\\d+");
@@ -540,7 +542,7 @@ public final class Cmroot {
       if (location != null) {
         out.add(location);
       }
-      out.addAll(new java.util.TreeSet<>(partitionDirs.keySet()));
+      out.addAll(partitionLocations());
       return out;
     }
 
@@ -563,12 +565,24 @@ public final class Cmroot {
     }
 
     /**
-     * This context, if `path` is in its table's directory. (Not a custom partition location:
-     * the daemon takes one table directory per labelled recycle, so a delete there stays a
-     * recycle of its own.)
+     * This context, if `path` is in its table's directory or in one of its partitions' own
+     * locations (declared to the daemon as the recycle's `partitionLocations`).
      */
     Ctx appliesTo(String path) {
-      return location != null && under(path, location) ? this : null;
+      if (location != null && under(path, location)) {
+        return this;
+      }
+      for (String d : partitionDirs.keySet()) {
+        if (under(path, d)) {
+          return this;
+        }
+      }
+      return null;
+    }
+
+    /** The table's partitions' own locations outside its directory. */
+    List<String> partitionLocations() {
+      return new ArrayList<>(new java.util.TreeSet<>(partitionDirs.keySet()));
     }
 
     @Override

@@ -13,11 +13,24 @@ import org.apache.spark.sql.catalyst.catalog.SessionCatalog;
 import org.apache.spark.sql.catalyst.plans.logical.DropTable;
 import org.apache.spark.sql.catalyst.plans.logical.LogicalPlan;
 import org.apache.spark.sql.connector.catalog.Identifier;
+import org.apache.spark.sql.execution.command.AlterTableAddColumnsCommand;
+import org.apache.spark.sql.execution.command.AlterTableAddPartitionCommand;
+import org.apache.spark.sql.execution.command.AlterTableChangeColumnCommand;
 import org.apache.spark.sql.execution.command.AlterTableDropPartitionCommand;
+import org.apache.spark.sql.execution.command.AlterTableRenameCommand;
+import org.apache.spark.sql.execution.command.AlterTableRenamePartitionCommand;
+import org.apache.spark.sql.execution.command.AlterTableSerDePropertiesCommand;
+import org.apache.spark.sql.execution.command.AlterTableSetLocationCommand;
+import org.apache.spark.sql.execution.command.AlterTableSetPropertiesCommand;
+import org.apache.spark.sql.execution.command.AlterTableUnsetPropertiesCommand;
+import org.apache.spark.sql.execution.command.CreateDataSourceTableCommand;
+import org.apache.spark.sql.execution.command.CreateTableCommand;
+import org.apache.spark.sql.execution.command.CreateTableLikeCommand;
 import org.apache.spark.sql.execution.command.CreateDataSourceTableAsSelectCommand;
 import org.apache.spark.sql.execution.command.DropTableCommand;
 import org.apache.spark.sql.execution.command.InsertIntoDataSourceDirCommand;
 import org.apache.spark.sql.execution.command.LoadDataCommand;
+import org.apache.spark.sql.execution.command.RepairTableCommand;
 import org.apache.spark.sql.execution.command.TruncateTableCommand;
 import org.apache.spark.sql.execution.datasources.InsertIntoHadoopFsRelationCommand;
 import org.apache.spark.sql.hive.execution.InsertIntoHiveDirCommand;
@@ -76,8 +89,10 @@ final class CmrootCommands {
     if (plan instanceof InsertIntoHiveTable) {
       InsertIntoHiveTable c = (InsertIntoHiveTable) plan;
       TableIdentifier id = c.table().identifier();
+      String location = Cmroot.localPath(String.valueOf(c.table().location()));
       return new Cmroot.Ctx(c.overwrite() ? "INSERT_OVERWRITE" : "INSERT", db(session, id),
-          id.table(), false, Cmroot.localPath(String.valueOf(c.table().location())));
+          id.table(), false, location)
+          .withPartitionDirs(customPartitions(session, id, location));
     }
     if (plan instanceof InsertIntoHiveDirCommand) { // deletes the old entries one by one
       InsertIntoHiveDirCommand c = (InsertIntoHiveDirCommand) plan;
@@ -86,6 +101,14 @@ final class CmrootCommands {
     if (plan instanceof InsertIntoDataSourceDirCommand) {
       InsertIntoDataSourceDirCommand c = (InsertIntoDataSourceDirCommand) plan;
       return c.overwrite() ? directory(c.storage()) : null;
+    }
+    TableIdentifier changed = metadataChange(plan);
+    if (changed != null) {
+      // Deletes nothing; a statement so that its events are recorded once the command
+      // returned: an event that cannot be recorded then fails the statement with cmroot's
+      // error, where from inside the metastore Spark would retry the change and report
+      // "already exists" instead. A partition rename's files are listed where they end up.
+      return new Cmroot.Ctx("DELETE", db(session, changed), changed.table(), false, null);
     }
     if (plan instanceof CreateDataSourceTableAsSelectCommand) {
       CatalogTable table = ((CreateDataSourceTableAsSelectCommand) plan).table();
@@ -96,6 +119,50 @@ final class CmrootCommands {
           : session.sessionState().catalog().defaultTablePath(qualified);
       return new Cmroot.Ctx("INSERT", db(session, id), id.table(), false,
           Cmroot.localPath(String.valueOf(location)), true);
+    }
+    return null;
+  }
+
+  /** The table a catalog command that records events changes; null for other plans. */
+  private static TableIdentifier metadataChange(LogicalPlan plan) {
+    if (plan instanceof CreateTableCommand) {
+      return ((CreateTableCommand) plan).table().identifier();
+    }
+    if (plan instanceof CreateDataSourceTableCommand) {
+      return ((CreateDataSourceTableCommand) plan).table().identifier();
+    }
+    if (plan instanceof CreateTableLikeCommand) {
+      return ((CreateTableLikeCommand) plan).targetTable();
+    }
+    if (plan instanceof AlterTableRenameCommand) {
+      return ((AlterTableRenameCommand) plan).oldName();
+    }
+    if (plan instanceof AlterTableAddColumnsCommand) {
+      return ((AlterTableAddColumnsCommand) plan).table();
+    }
+    if (plan instanceof AlterTableChangeColumnCommand) {
+      return ((AlterTableChangeColumnCommand) plan).tableName();
+    }
+    if (plan instanceof AlterTableSetPropertiesCommand) {
+      return ((AlterTableSetPropertiesCommand) plan).tableName();
+    }
+    if (plan instanceof AlterTableUnsetPropertiesCommand) {
+      return ((AlterTableUnsetPropertiesCommand) plan).tableName();
+    }
+    if (plan instanceof AlterTableSerDePropertiesCommand) {
+      return ((AlterTableSerDePropertiesCommand) plan).tableName();
+    }
+    if (plan instanceof AlterTableSetLocationCommand) {
+      return ((AlterTableSetLocationCommand) plan).tableName();
+    }
+    if (plan instanceof AlterTableAddPartitionCommand) {
+      return ((AlterTableAddPartitionCommand) plan).tableName();
+    }
+    if (plan instanceof AlterTableRenamePartitionCommand) {
+      return ((AlterTableRenamePartitionCommand) plan).tableName();
+    }
+    if (plan instanceof RepairTableCommand) {
+      return ((RepairTableCommand) plan).tableName();
     }
     return null;
   }
@@ -142,7 +209,9 @@ final class CmrootCommands {
     } catch (Exception e) {
       // no such table (IF EXISTS) or a temporary view: no location to match
     }
-    return new Cmroot.Ctx(op, db, id.table(), purge, location);
+    TableIdentifier qualified = new TableIdentifier(id.table(), Option.apply(db));
+    return new Cmroot.Ctx(op, db, id.table(), purge, location)
+        .withPartitionDirs(customPartitions(session, qualified, location));
   }
 
   private static String db(SparkSession session, TableIdentifier id) {

@@ -143,6 +143,13 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
       }
       recordInsert(s, target);
     };
+    if (moved && "INSERT_OVERWRITE".equals(ctx.op)) {
+      // Hive deletes the old files (each a part of the statement's recycle) and moves these
+      // in partition by partition: if a later part is refused, the old files come back and
+      // the ones this job committed must go, or the table would hold both.
+      st.onRollback("INSERT_OVERWRITE", ctx.db, ctx.table, false,
+          () -> removeOutput(ctx.location));
+    }
     try {
       if (st != null && (staging || moved)) { // (a CTAS's INSERT waits for its table)
         st.afterCommit(done);

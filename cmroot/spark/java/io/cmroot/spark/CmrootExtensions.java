@@ -161,7 +161,7 @@ public class CmrootExtensions extends AbstractFunction1<SparkSessionExtensions, 
 
   /**
    * SET from SQL of a key that decides whether deletes are kept: refused, saying where it
-   * belongs. That is every spark.cmroot.* key, and the Hadoop keys that choose or configure
+   * belongs. That is every spark.cmroot.* key, the SQL commit protocol, and the Hadoop keys that choose or configure
    * the file system of the `file` scheme (fs.file.*, fs.<scheme>.impl*,
    * fs.AbstractFileSystem.*.impl) or send deletes to the trash (fs.trash.*): the session's
    * SQL conf is copied into the Hadoop conf of its queries, so `SET fs.file.impl=...` with
@@ -174,7 +174,8 @@ public class CmrootExtensions extends AbstractFunction1<SparkSessionExtensions, 
 
     static boolean fixed(String key) {
       String k = key.trim();
-      if (k.startsWith("spark.cmroot.")) {
+      // The commit protocol is the shim's: overwrite snapshots and INSERT events.
+      if (k.startsWith("spark.cmroot.") || k.equals("spark.sql.sources.commitProtocolClass")) {
         return true;
       }
       if (k.startsWith("spark.hadoop.")) {

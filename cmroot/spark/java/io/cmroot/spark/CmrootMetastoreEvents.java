@@ -98,10 +98,8 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     // A table created over data (an external table on a landing directory) holds it from
     // now on: a replica needs those files. A CTAS's own files follow in its INSERT; a
     // partitioned table's data arrives with its partitions (ADD_PARTITION lists theirs).
-    if (insert == null && t.getPartitionKeysSize() == 0) {
-      body.put("files", Cmroot.fileRefs(Cmroot.dataFiles(new File(loc), true, null)));
-    }
-    record(body, s, "table " + name(t));
+    boolean adopts = insert == null && t.getPartitionKeysSize() == 0;
+    record(body, s, "table " + name(t), adopts ? () -> files(loc, s) : null);
     if (insert != null) {
       record(insert, s, "the data written by CREATE TABLE " + name(t) + " AS SELECT");
     }
@@ -129,11 +127,9 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
       body.put("location", loc);
     }
     body.put("tableObj", Cmroot.tableMap(t));
-    if (moved) {
-      body.put("files", Cmroot.fileRefs(inside && t.getPartitionKeysSize() == 0
-          ? Cmroot.dataFiles(new File(loc), true, null) : List.of()));
-    }
-    record(body, s, "the change of table " + name(old));
+    boolean flat = t.getPartitionKeysSize() == 0;
+    record(body, s, "the change of table " + name(old),
+        moved ? () -> flat ? files(loc, s) : List.of() : null);
   }
 
   /**
@@ -153,26 +149,40 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     }
     String was = partitionLocation(before);
     String now = partitionLocation(after);
-    boolean inside = Cmroot.protectedPath(now, s);
-    List<String> files = inside ? Cmroot.dataFiles(new File(now), true, null) : List.of();
+    CmrootStatement st = CmrootStatement.current();
+    String key = CmrootMetastoreListener.dropKey(t, after.getValues());
     if (!before.getValues().equals(after.getValues())) {
+      if (st != null) {
+        st.renamedTo(key, now);
+      }
       Map<String, Object> add = event("ADD_PARTITION", t.getDbName(), t.getTableName());
       add.put("location", loc);
       add.put("partitions", List.of(CmrootMetastoreListener.spec(t, after)));
-      add.put("files", Cmroot.fileRefs(files));
-      record(add, s, "the rename of partition " + before.getValues() + " of " + name(t));
+      String what = "the rename of partition " + before.getValues() + " of " + name(t);
+      // Listed when recorded: at the statement's end, where the files ended up.
+      record(add, s, what, () -> files(st == null ? now : st.renamedLocation(key), s));
       Map<String, Object> drop = event("DROP_PARTITION", t.getDbName(), t.getTableName());
       drop.put("location", loc);
       drop.put("partitions", List.of(CmrootMetastoreListener.spec(t, before)));
-      record(drop, s, "the rename of partition " + before.getValues() + " of " + name(t));
+      record(drop, s, what);
     } else if (!String.valueOf(was).equals(String.valueOf(now))) {
+      if (st != null && st.renamedLocation(key) != null) {
+        st.renamedTo(key, now); // the rename's own second move
+        return;
+      }
       Map<String, Object> body = event("ALTER_LOCATION", t.getDbName(), t.getTableName());
       body.put("location", loc);
       body.put("partitions", List.of(CmrootMetastoreListener.spec(t, after)));
       body.put("tableObj", Cmroot.tableMap(t));
-      body.put("files", Cmroot.fileRefs(files));
-      record(body, s, "the new location of partition " + after.getValues() + " of " + name(t));
+      record(body, s, "the new location of partition " + after.getValues() + " of " + name(t),
+          () -> files(now, s));
     }
+  }
+
+  /** The data files under `dir`, if it is under the warehouse roots; else none. */
+  private static List<String> files(String dir, Cmroot.Settings s) {
+    return Cmroot.protectedPath(dir, s) ? Cmroot.dataFiles(new File(dir), true, null)
+        : List.of();
   }
 
   private static String partitionLocation(Partition p) {
@@ -294,13 +304,25 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
    */
   private static void record(Map<String, Object> body, Cmroot.Settings s, String what)
       throws MetaException {
+    record(body, s, what, null);
+  }
+
+  /** record(body, ...), its "files" listed by `files` at the time it is recorded. */
+  private static void record(Map<String, Object> body, Cmroot.Settings s, String what,
+      java.util.function.Supplier<List<String>> files) throws MetaException {
+    CmrootStatement.Action add = () -> {
+      if (files != null) {
+        body.put("files", Cmroot.fileRefs(files.get()));
+      }
+      Cmroot.addEvent(body, s, what);
+    };
     CmrootStatement st = CmrootStatement.current();
     if (st != null) {
-      st.afterEnd(() -> Cmroot.addEvent(body, s, what));
+      st.afterEnd(add);
       return;
     }
     try {
-      Cmroot.addEvent(body, s, what);
+      add.run();
     } catch (IOException ex) {
       MetaException me = new MetaException(ex.getMessage());
       me.initCause(ex);

@@ -46,6 +46,10 @@ public final class CmrootStatement {
   // What undoes a write whose recycle is rolled back (keyed like txs): an overwrite's job
   // committed its new files next to the old ones, which the rollback puts back.
   private final Map<String, List<Action>> undo = new LinkedHashMap<>();
+  // Partitions (drop keys) the statement renamed, with their latest locations: Spark may
+  // move a renamed partition's directory once more after the metastore did (a partition
+  // column spelled in upper case), which is part of the rename, not a new location.
+  private final Map<String, String> renamed = new ConcurrentHashMap<>();
   // Data files the statement renamed into its table from elsewhere (see movedIn).
   private final List<String> movedIn = new ArrayList<>();
   private volatile boolean open = true;
@@ -91,7 +95,10 @@ public final class CmrootStatement {
     CmrootTransaction tx;
     synchronized (u.txs) {
       tx = u.txs.computeIfAbsent(CmrootTransaction.key(op, db, table, purge),
-          k -> new CmrootTransaction(s, op, db, table, purge, location, "the statement " + ctx));
+          k -> new CmrootTransaction(s, op, db, table, purge, location, "the statement " + ctx)
+              .withPartitionLocations(table != null && table.equalsIgnoreCase(ctx.table)
+                  && String.valueOf(db).equalsIgnoreCase(String.valueOf(ctx.db))
+                  ? ctx.partitionLocations() : List.of()));
     }
     return tx.prepare(paths, partitions, part);
   }
@@ -151,6 +158,16 @@ public final class CmrootStatement {
     body.put("location", c.location);
     body.put("files", Cmroot.fileRefs(files));
     Cmroot.addEvent(body, s, "the files moved into " + c.db + "." + c.table);
+  }
+
+  /** The partition `key` was renamed (or renamed and moved again) to `dir` by this statement. */
+  void renamedTo(String key, String dir) {
+    unit.renamed.put(key, String.valueOf(dir));
+  }
+
+  /** Where the partition `key` renamed by this statement is now; null if it was not. */
+  String renamedLocation(String key) {
+    return unit.renamed.get(key);
   }
 
   void markStaged(String dropKey) {

@@ -49,6 +49,9 @@ final class CmrootTransaction {
   // "copy" for a file the statement moves elsewhere (a rename that leaves its path): its
   // bytes are kept under that path while the file itself goes on to its new place.
   private final String mode;
+  // The table's partitions' own locations outside its directory: its files there are the
+  // table's too (the daemon otherwise takes one table directory per labelled recycle).
+  private List<String> partitionLocations = List.of();
 
   private volatile String txid; // null until the daemon answered the first prepare
   private List<JsonNode> files = List.of(); // every file staged so far, with its checksum
@@ -72,6 +75,11 @@ final class CmrootTransaction {
     this.purge = purge;
     this.location = location;
     this.what = what;
+  }
+
+  CmrootTransaction withPartitionLocations(List<String> dirs) {
+    partitionLocations = List.copyOf(dirs);
+    return this;
   }
 
   /** The key of the transaction a statement keeps for one kind of recycle. */
@@ -118,6 +126,9 @@ final class CmrootTransaction {
     body.put("partitions", partitions == null ? List.of() : partitions);
     if (location != null) {
       body.put("location", location);
+    }
+    if (!partitionLocations.isEmpty()) {
+      body.put("partitionLocations", partitionLocations);
     }
     body.put("prepare", true);
     body.put("lease", s.leaseSeconds);
