@@ -215,3 +215,23 @@ def test_a_partition_at_its_own_location_is_part_of_its_tables_recycle(
     assert (e["db"], e["table"], e["location"]) == (DB, name, str(t))
     assert kept <= {f["path"] for f in e["files"]}
     assert not data_files(own)
+
+
+@pytest.mark.parametrize("statement", [
+    "CREATE TABLE {t} (a INT) USING parquet",
+    "CREATE TABLE {t} (a INT) STORED AS TEXTFILE",
+])
+def test_an_unrecorded_catalog_change_fails_with_cmroots_error(
+    lake: Lake, db: str, statement: str
+) -> None:
+    """The metastore already made the change; its event cannot be recorded (daemon down):
+    the statement fails saying so, not with the "already exists" of a retried create."""
+    from tests.spark.test_spark_failure import error_chain
+
+    name = f"unrec_{'hive' if 'STORED' in statement else 'ds'}"
+    with lake.daemon.down(), pytest.raises(Exception) as info:
+        lake.sql(statement.format(t=f"{DB}.{name}"))
+    text = error_chain(info.value)
+    assert "cmroot could not record the CREATE_TABLE event" in text, text[:2000]
+    assert "already exists" not in text.lower(), text[:2000]
+    assert lake.spark.catalog.tableExists(f"{DB}.{name}")
