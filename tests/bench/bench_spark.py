@@ -4,7 +4,7 @@ run.
     python -m tests.bench.bench_spark [--scale full|smoke] [--dir DIR] [--reps N]
                                       [--only drop,truncate] [--profile DIR]
 
-Rows (N = 2,000 files at full scale, 78 KiB each (64 KiB of random int64s), every file distinct):
+Rows (N = 2,000 files at full scale, 64 KiB each, every file distinct):
   DROP TABLE        of a managed, unpartitioned parquet table of N files.
   INSERT OVERWRITE  `INSERT OVERWRITE TABLE t SELECT 42L` of such a table (the old N files
                     are deleted; one small new file is written).
@@ -20,12 +20,15 @@ Each side is its own Spark application (local[2], Hive support, embedded Derby m
 "without" is plain PySpark, "with" adds exactly what `cmroot.spark.configure` sets and talks
 to a real `cmroot serve` on loopback whose store is on the same filesystem as the warehouse
 (recycling is a rename, as the README asks). Both sides run the same statements on identical
-tables copied from one generated master, after one untimed warm-up round; each figure is
+tables copied from one generated master (each copy's last value stamped with a digest of
+its table and name, so that no table repeats another's bytes and the store sees new
+objects, not duplicates), after one untimed warm-up round; each figure is
 the median of `--reps` rounds, timed with `time.perf_counter` around the `spark.sql` call
 (JVM start-up and table set-up are not timed). Goal: with/without <= 1.5x. Every run is
 printed under the table, with the 1-minute load average before each side. The full scale
 runs the sides one after the other; the smoke scale (12 files, for the test suite) runs
-them at once to stay under a minute, so its figures are not worth comparing.
+them at once and without the warm-up round to stay under a minute, so its figures are not
+worth comparing.
 
 On the "with" side the daemon's `/metrics` is read before and after every timed statement:
 the difference of `cmroot_http_request_duration_seconds_count` (and `_sum`) by route is the
@@ -33,9 +36,9 @@ HTTP requests (and the daemon's time answering them) the statement cost. A round
 file would show as N requests.
 
 `--profile DIR` also runs the daemon under a sampling profiler (all threads, every 5 ms;
-report in DIR/daemon-profile.txt) and turns on the hook's DEBUG log (logger io.cmroot.spark:
-prepare times in ms), saved per statement in DIR/hook-debug.log. Take the table's figures
-from a run without it.
+report in DIR/daemon-profile.txt, folded stacks in DIR/daemon-profile.folded) and turns on
+the hook's DEBUG log (logger io.cmroot.spark: prepare times in ms), saved per statement in
+DIR/hook-debug.log. Take the table's figures from a run without it.
 
 Progress goes to stderr, the markdown table to stdout.
 """
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import json
 import os
 import re
@@ -72,35 +76,58 @@ LABELS = {
     "hive_overwrite": "INSERT OVERWRITE (Hive format)",
 }
 PROBES = ("/metrics", "/healthz", "/readyz")
+STAMPS = "stamps.txt"
 
 
 @dataclass(frozen=True)
 class Scale:
     files: int
-    rows_per_file: int  # 8 bytes each, random: 64 KiB of data, 78 KiB files at full scale
+    rows_per_file: int  # 8 bytes each, random, plain: 64 KiB files at full scale
     partitions: int  # of the TRUNCATE row's table
     reps: int
+    warmup: int  # untimed rounds first
 
 
 SCALES = {
-    "full": Scale(files=2000, rows_per_file=8192, partitions=20, reps=5),
-    "smoke": Scale(files=12, rows_per_file=64, partitions=3, reps=1),
+    "full": Scale(files=2000, rows_per_file=8192, partitions=20, reps=5, warmup=1),
+    "smoke": Scale(files=12, rows_per_file=64, partitions=3, reps=1, warmup=0),
 }
 
 
 def make_master(d: Path, scale: Scale) -> Path:
-    """N distinct parquet files, written once with pyarrow, copied into each table."""
+    """N distinct parquet files, written once with pyarrow, copied into each table; plain
+    encoding, no statistics, so the last value of each file's one page can be stamped (see
+    `stamp`). STAMPS lists where: name and offset of that value, one per line."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     master = d / "master"
     master.mkdir(parents=True)
+    offsets = []
     for i in range(scale.files):
         n = scale.rows_per_file
         ids = pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(os.urandom(8 * n))])
-        pq.write_table(pa.table({"id": ids}), master / f"part-{i:05d}.parquet",
-                       compression="none")
+        f = master / f"part-{i:05d}.parquet"
+        pq.write_table(pa.table({"id": ids}), f, compression="none", use_dictionary=False,
+                       write_statistics=False)
+        col = pq.ParquetFile(f).metadata.row_group(0).column(0)
+        offsets.append(f"{f.name} {col.data_page_offset + col.total_compressed_size - 8}")
+    (d / STAMPS).write_text("\n".join(offsets) + "\n")
     return master
+
+
+def stamp(path: Path, offset: int, table: str) -> None:
+    """Make a copy's bytes its own: its last id becomes a digest of (table, file name).
+    Without it every table would hold the same 2,000 files and the hooked side would only
+    ever recycle duplicates (a byte comparison, then freeing the staged copy) instead of
+    new objects, which is not what dropping a table's own data costs. Deterministic, so the
+    two sides still get byte-identical tables."""
+    digest = hashlib.blake2b(f"{table}/{path.name}".encode(), digest_size=8).digest()
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, digest, offset)
+    finally:
+        os.close(fd)
 
 
 # -- the daemon's request counters ----------------------------------------------------------
@@ -152,6 +179,12 @@ def worker(args: argparse.Namespace) -> None:
     hook_log = _debug_log(spark) if args.side == "with" and args.profile else None
     master = Path(args.master)
     names = sorted(p.name for p in master.iterdir())
+    offsets = {n: int(o) for n, o in (line.split() for line in
+                                      (master.parent / STAMPS).read_text().splitlines())}
+
+    def copy(n: str, dest: Path, table: str) -> None:
+        shutil.copyfile(master / n, dest)
+        stamp(dest, offsets[n], table)
     ops = args.ops.split(",")
     partitions = int(args.partitions)
     results: dict[str, Any] = {
@@ -165,13 +198,13 @@ def worker(args: argparse.Namespace) -> None:
             spark.sql(f"CREATE TABLE {name} (id BIGINT, p INT) USING parquet PARTITIONED BY (p)")
             for i, n in enumerate(names):
                 (tdir / f"p={i % partitions}").mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(master / n, tdir / f"p={i % partitions}" / n)
+                copy(n, tdir / f"p={i % partitions}" / n, name)
             spark.sql(f"ALTER TABLE {name} RECOVER PARTITIONS")
         else:
             spark.sql(f"CREATE TABLE {name} (id BIGINT) "
                       + ("STORED AS PARQUET" if op == "hive_overwrite" else "USING parquet"))
             for n in names:
-                shutil.copyfile(master / n, tdir / n)
+                copy(n, tdir / n, name)
         spark.sql(f"REFRESH TABLE {name}")
         os.sync()
         return tdir
@@ -193,7 +226,8 @@ def worker(args: argparse.Namespace) -> None:
             if "InsertIntoHiveTable" not in plan:
                 raise SystemExit(f"{q} did not go through Hive's write path:\n{plan}")
 
-    for rnd in range(args.reps + 1):  # round 0 warms up and is not counted
+    warmup = int(args.warmup)
+    for rnd in range(warmup + args.reps):  # the warm-up rounds are not counted
         for op in ops:
             name = f"t_{op}_{rnd}"
             tdir = make(name, op)
@@ -215,7 +249,7 @@ def worker(args: argparse.Namespace) -> None:
             if hook_log is not None:
                 with open(Path(args.profile) / "hook-debug.log", "a") as f:
                     f.write(f"== {args.side} round {rnd} {q}: {elapsed:.3f} s\n{hook_log()}")
-            if rnd:
+            if rnd >= warmup:
                 results["times"][op].append(elapsed)
                 results["load"][op].append(load)
                 results["requests"][op].append(requests_between(before, after))
@@ -253,7 +287,7 @@ def start_side(side: str, base: Path, master: Path, reps: int, url: str | None,
     d.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "tests.bench.bench_spark", "--worker", side, "--dir", str(d),
            "--master", str(master), "--reps", str(reps), "--ops", ",".join(ops),
-           "--partitions", str(scale.partitions)]
+           "--partitions", str(scale.partitions), "--warmup", str(scale.warmup)]
     if url:
         cmd += ["--url", url]
     if profile:
@@ -289,6 +323,7 @@ def profiled_daemon(out: str) -> int:
     own = collections.Counter[tuple[str, str]]()
     under = collections.Counter[tuple[str, str]]()
     by_thread = collections.Counter[str]()
+    stacks = collections.Counter[str]()  # folded, root first: for flamegraph.pl or grep
     stop = threading.Event()
 
     def sample() -> None:
@@ -306,13 +341,16 @@ def profiled_daemon(out: str) -> int:
                 busy[(code.co_filename, code.co_name, frame.f_lineno)] += 1
                 own[(code.co_filename, code.co_name)] += 1
                 seen = set()
+                chain = []
                 f: Any = frame
                 while f is not None:
                     key = (f.f_code.co_filename, f.f_code.co_name)
+                    chain.append(f"{os.path.basename(key[0])}:{key[1]}")
                     if key not in seen:
                         seen.add(key)
                         under[key] += 1
                     f = f.f_back
+                stacks[";".join(reversed(chain))] += 1
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -339,6 +377,9 @@ def profiled_daemon(out: str) -> int:
             print("\nself by line:", file=f)
             for (path, fn, line), n in busy.most_common(40):
                 print(f"  {n:7d} {100 * n / total:5.1f}%  {fn}  {short(path)}:{line}", file=f)
+        with open(re.sub(r"(\.txt)?$", ".folded", out, count=1), "w") as f:
+            for stack, n in stacks.most_common():
+                print(stack, n, file=f)
 
 
 def start_daemon(base: Path, profile: Path | None) -> Any:
@@ -367,8 +408,8 @@ def report(scale_name: str, scale: Scale, reps: int, ops: list[str], size: int,
            load: dict[str, tuple[float, float, float]]) -> None:
     print(f"Spark hook benchmark ({scale_name}): {scale.files} files per table, "
           f"{size / scale.files / 1024:.0f} KiB each (TRUNCATE: over {scale.partitions} "
-          f"partitions); median of {reps} rounds after a warm-up; {recycled} files recycled "
-          f"by the hooked side; {os.cpu_count()} CPUs\n")
+          f"partitions); median of {reps} rounds after {scale.warmup} warm-up; "
+          f"{recycled} files recycled by the hooked side; {os.cpu_count()} CPUs\n")
     print("| operation | files | without hook (s) | with hook (s) | ratio | goal |")
     print("|---|---|---|---|---|---|")
     for op in ops:
@@ -416,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--ops", help=argparse.SUPPRESS)
     p.add_argument("--partitions", help=argparse.SUPPRESS)
+    p.add_argument("--warmup", help=argparse.SUPPRESS)
     p.add_argument("--profiled-daemon", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.profiled_daemon:
