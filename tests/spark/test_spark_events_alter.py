@@ -235,3 +235,37 @@ def test_an_unrecorded_catalog_change_fails_with_cmroots_error(
     assert "cmroot could not record the CREATE_TABLE event" in text, text[:2000]
     assert "already exists" not in text.lower(), text[:2000]
     assert lake.spark.catalog.tableExists(f"{DB}.{name}")
+
+
+def _recycle_requests(lake: Lake) -> float:
+    """POST /v1/recycle requests the daemon has answered (prepares and plain recycles)."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(lake.daemon.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(
+        r'^cmroot_http_request_duration_seconds_count\{[^}]*route="/v1/recycle"[^}]*\} (\S+)$',
+        text, re.M))
+
+
+@pytest.mark.parametrize(("statement", "requests"), [
+    ("INSERT OVERWRITE TABLE {t} PARTITION (p) SELECT CAST(id AS INT), CAST(id AS INT) "
+     "FROM range(4)", 4),
+    ("TRUNCATE TABLE {t}", 1),
+])
+def test_no_round_trip_per_file(lake: Lake, db: str, statement: str, requests: int) -> None:
+    """A Hive-format overwrite (Hive deletes the old files one by one) stages each partition
+    directory's old files in one prepare request; a TRUNCATE of a partitioned table (Spark
+    deletes one partition directory at a time) stages all of them in one."""
+    name = f"trips_{statement.split()[0].lower()}"
+    lake.sql(f"CREATE TABLE {DB}.{name} (a INT) PARTITIONED BY (p INT) STORED AS TEXTFILE")
+    lake.sql(f"INSERT INTO {DB}.{name} PARTITION (p) "
+             "SELECT /*+ REPARTITION(12) */ CAST(id AS INT), CAST(id % 4 AS INT) FROM range(48)")
+    t = tdir(lake, name)
+    old = data_files(t)
+    assert len(old) >= 12
+    before = _recycle_requests(lake)
+    [recycle, *_] = run(lake, statement.format(t=f"{DB}.{name}"))
+    assert _recycle_requests(lake) - before == requests
+    assert old <= {f["path"] for f in recycle["files"]}

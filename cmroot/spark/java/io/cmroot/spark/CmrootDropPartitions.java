@@ -102,7 +102,7 @@ final class CmrootDropPartitions {
    * partition missed here would be staged only when the metastore reaches it, after earlier
    * ones had already left the catalog).
    */
-  private static List<CatalogTablePartition> matching(SessionCatalog catalog,
+  static List<CatalogTablePartition> matching(SessionCatalog catalog,
       CatalogTable table, TableIdentifier qualified,
       scala.collection.immutable.Map<String, String> spec) {
     List<CatalogTablePartition> exact = CollectionConverters.asJava(
@@ -148,7 +148,7 @@ final class CmrootDropPartitions {
 
   /** `spec` with its keys spelled as the table's partition columns; null if one is not. */
   @SuppressWarnings("unchecked") // Map.updated's Scala signature reaches Java as a raw Map
-  private static scala.collection.immutable.Map<String, String> normalize(
+  static scala.collection.immutable.Map<String, String> normalize(
       scala.collection.immutable.Map<String, String> spec, List<String> columns) {
     scala.collection.immutable.Map<String, String> out = scala.collection.immutable.Map$.MODULE$
         .empty();

@@ -91,7 +91,7 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
   @Override
   public boolean rename(Path src, Path dst) throws IOException {
     if (intoTrash(src, dst)) {
-      return delete(src, true);
+      return delete(src, true, false);
     }
     recycleReplaced(dst);
     CmrootStatement st = CmrootStatement.current();
@@ -120,7 +120,7 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
   @Override
   protected void rename(Path src, Path dst, Options.Rename... options) throws IOException {
     if (intoTrash(src, dst)) {
-      if (!delete(src, true)) {
+      if (!delete(src, true, false)) {
         throw new IOException("cmroot: could not recycle " + src + " instead of moving it to "
             + "the trash");
       }
@@ -169,6 +169,15 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
 
   @Override
   public boolean delete(Path f, boolean recursive) throws IOException {
+    return delete(f, recursive, true);
+  }
+
+  /**
+   * `ahead`: a data file of an overwrite may be staged with its directory's others (see
+   * replacedByHive). Not for a move into the trash: Hadoop's Trash first checks that the file
+   * is still there, which one staged ahead no longer is.
+   */
+  private boolean delete(Path f, boolean recursive, boolean ahead) throws IOException {
     Cmroot.Settings s = Cmroot.settings(getConf());
     String local = s.enabled ? Cmroot.localPath(pathToFile(f).getPath()) : null;
     if (s.debug) {
@@ -182,13 +191,16 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
       return super.delete(f, recursive);
     }
     File file = new File(local);
+    CmrootStatement st = CmrootStatement.current();
     if (!Cmroot.holdsFiles(file.toPath())) {
+      if (st != null && st.stagedFile(local)) {
+        return true; // staged with the rest of its directory by an earlier delete (below)
+      }
       return super.delete(f, recursive); // missing, or directories only: no data to keep
     }
     if (file.isDirectory() && !recursive) {
       return super.delete(f, false); // a non-empty directory: Hadoop refuses, as it should
     }
-    CmrootStatement st = CmrootStatement.current();
     Cmroot.Ctx ctx = CmrootStatement.contextFor(local);
     String op = ctx == null ? "DELETE" : ctx.deleteOp();
     Map<String, String> part = ctx == null ? Cmroot.partitionOf(local, null, file.isDirectory())
@@ -200,6 +212,10 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     String what = "the delete of " + local;
     CmrootTransaction own = st != null ? null
         : new CmrootTransaction(s, op, db, table, purge, location, what);
+    if (ahead && st != null && recursive && "INSERT_OVERWRITE".equals(op)
+        && Files.isRegularFile(file.toPath(), LinkOption.NOFOLLOW_LINKS)) {
+      return replacedByHive(f, file, st, op, db, table, purge, part, location, what);
+    }
     List<String> paths = Cmroot.withChecksumSibling(local);
     for (int round = 0; round < RESTAGE_ROUNDS && !paths.isEmpty(); round++) {
       List<Map<String, String>> parts = part.isEmpty() ? List.of() : List.of(part);
@@ -209,6 +225,7 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
       if (!staged) {
         return super.delete(f, recursive); // failed open (logged and counted)
       }
+
       // A writer may have added files meanwhile: they are part of what this delete removes.
       paths = file.exists() ? Cmroot.filesUnder(local) : List.of();
     }
@@ -231,6 +248,34 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
       }
       throw e;
     }
+    return true;
+  }
+
+  /**
+   * A data file of an overwrite deleted by itself: Hive replaces a directory's contents file
+   * by file (one delete each, from a pool of threads, then its new files). The first of those
+   * deletes stages every data file the directory held before the statement began, in one
+   * request, not one round trip per file; the others find theirs staged. Files newer than
+   * the statement (a concurrent writer's, or its own) are not Hive's to replace from here.
+   */
+  private boolean replacedByHive(Path f, File file, CmrootStatement st, String op, String db,
+      String table, boolean purge, Map<String, String> part, String location, String what)
+      throws IOException {
+    synchronized (st.replaceLock()) {
+      if (st.stagedFile(file.getPath())) {
+        return true;
+      }
+      if (!Files.isRegularFile(file.toPath(), LinkOption.NOFOLLOW_LINKS)) {
+        return super.delete(f, true);
+      }
+      List<String> paths = st.olderSiblings(file);
+      List<Map<String, String>> parts = part.isEmpty() ? List.of() : List.of(part);
+      if (!st.prepare(paths, op, db, table, purge, parts, location, what)) {
+        return super.delete(f, true); // failed open (logged and counted)
+      }
+      st.markFilesStaged(paths);
+    }
+    CmrootFaults.afterPrepare(what);
     return true;
   }
 }

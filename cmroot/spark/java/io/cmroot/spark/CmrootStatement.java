@@ -52,6 +52,10 @@ public final class CmrootStatement {
   private final Map<String, String> renamed = new ConcurrentHashMap<>();
   // Data files the statement renamed into its table from elsewhere (see movedIn).
   private final List<String> movedIn = new ArrayList<>();
+  // Files staged ahead of their own delete (CmrootLocalFileSystem: a directory Hive replaces
+  // file by file): their deletes find them gone and succeed.
+  private final Set<String> stagedFiles = ConcurrentHashMap.newKeySet();
+  private final long startedMillis = System.currentTimeMillis();
   private volatile boolean open = true;
   private volatile String failure;
 
@@ -168,6 +172,47 @@ public final class CmrootStatement {
   /** Where the partition `key` renamed by this statement is now; null if it was not. */
   String renamedLocation(String key) {
     return unit.renamed.get(key);
+  }
+
+  /**
+   * `file` and the data files next to it whose inode last changed before the statement began
+   * (ctime: a file written, renamed or linked there since is newer), each with its checksum
+   * sibling. What Hive listed to replace, without what arrived after the statement started.
+   */
+  List<String> olderSiblings(java.io.File file) {
+    List<String> out = new ArrayList<>(Cmroot.withChecksumSibling(file.getPath()));
+    java.io.File[] siblings = file.getParentFile() == null ? null
+        : file.getParentFile().listFiles();
+    for (java.io.File f : siblings == null ? new java.io.File[0] : siblings) {
+      if (f.equals(file) || Cmroot.isHiddenName(f.getName())) {
+        continue;
+      }
+      try {
+        java.nio.file.Path p = f.toPath();
+        if (java.nio.file.Files.isRegularFile(p, java.nio.file.LinkOption.NOFOLLOW_LINKS)
+            && ((java.nio.file.attribute.FileTime) java.nio.file.Files.getAttribute(p,
+                "unix:ctime", java.nio.file.LinkOption.NOFOLLOW_LINKS)).toMillis()
+                < unit.startedMillis) {
+          out.addAll(Cmroot.withChecksumSibling(f.getPath()));
+        }
+      } catch (java.io.IOException | UnsupportedOperationException e) {
+        // gone meanwhile, or no ctime here: left to its own delete
+      }
+    }
+    return out;
+  }
+
+  /** Serialises the deletes of files staged ahead (see CmrootLocalFileSystem). */
+  Object replaceLock() {
+    return unit.stagedFiles;
+  }
+
+  void markFilesStaged(List<String> paths) {
+    unit.stagedFiles.addAll(paths);
+  }
+
+  boolean stagedFile(String path) {
+    return unit.stagedFiles.contains(path);
   }
 
   void markStaged(String dropKey) {

@@ -9,6 +9,7 @@ import org.apache.spark.sql.catalyst.trees.LeafLike;
 import org.apache.spark.sql.execution.command.AlterTableDropPartitionCommand;
 import org.apache.spark.sql.execution.command.LeafRunnableCommand;
 import org.apache.spark.sql.execution.command.RunnableCommand;
+import org.apache.spark.sql.execution.command.TruncateTableCommand;
 import scala.Enumeration;
 import scala.collection.immutable.Seq;
 import scala.jdk.javaapi.CollectionConverters;
@@ -23,7 +24,8 @@ import scala.jdk.javaapi.CollectionConverters;
  *
  * <p>A DROP PARTITION stages the data of every partition it names first, in one request:
  * the metastore drops partitions one call at a time, so without that a refused partition
- * would be found only after the earlier ones were gone from the catalog.
+ * would be found only after the earlier ones were gone from the catalog. A TRUNCATE stages
+ * every file it empties first, in one request, for the same reason and for one round trip.
  */
 public final class CmrootStatementCommand extends LogicalPlan implements LeafRunnableCommand {
   private static final long serialVersionUID = 1L;
@@ -54,6 +56,8 @@ public final class CmrootStatementCommand extends LogicalPlan implements LeafRun
       try {
         if (inner instanceof AlterTableDropPartitionCommand) {
           CmrootDropPartitions.stage(session, (AlterTableDropPartitionCommand) inner, st, s);
+        } else if (inner instanceof TruncateTableCommand) {
+          CmrootTruncate.stage(session, (TruncateTableCommand) inner, st, s);
         }
         rows = org.apache.spark.sql.classic.Dataset$.MODULE$
             .ofRows((org.apache.spark.sql.classic.SparkSession) session, inner)
