@@ -166,8 +166,11 @@ class JournalTables(Catalog, EventLog):
         millions of) file rows: callers load one at a time with `pending(txid)`."""
         return [r[0] for r in self._query("SELECT txid FROM txs ORDER BY started, txid", ())]
 
-    def pending(self, txid: str | None = None) -> list[PendingTx]:
-        """Transactions in the journal (all, or the one named), oldest first."""
+    def pending(self, txid: str | None = None, rows: bool = True) -> list[PendingTx]:
+        """Transactions in the journal (all, or the one named), oldest first. Without
+        `rows`, their file rows are left out (an empty list): enough to check a
+        transaction's state and lease without reading every file it staged, never to
+        roll it back or commit it."""
         txs = self._query(
             "SELECT txid, started, mode, request, state, error, dirs, lease FROM txs"
             + (" WHERE txid = ?" if txid is not None else "")
@@ -176,17 +179,17 @@ class JournalTables(Catalog, EventLog):
         )
         out = []
         for tid, started, mode, request, state, error, dirs, lease in txs:
-            rows = [
+            files = [
                 JournalRow(*r)
                 for r in self._query(
                     "SELECT txid, seq, source, staged, method, ident, checksum, size"
                     " FROM journal WHERE txid = ? ORDER BY seq",
                     (tid,),
                 )
-            ]
+            ] if rows else []
             out.append(
                 PendingTx(tid, started, mode, json.loads(request), state, error,
-                          json.loads(dirs), rows, lease)
+                          json.loads(dirs), files, lease)
             )
         return out
 

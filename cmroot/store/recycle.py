@@ -156,6 +156,45 @@ class RecycleResult:
 
 
 @dataclass
+class _Statement:
+    """A prepared transaction as a join checks its new part against it: what
+    `_one_table` and the copy-mode dedupe need of the files staged so far, so that a
+    join costs its own part, not every earlier one (a statement can join thousands of
+    parts of one file each). Read and changed only under the transaction's lock; built
+    from the journal by the first join, and again after a restart (`Recycler._statement`)."""
+
+    next_seq: int = 0  # the next part's first file number
+    keys: set[str] = field(default_factory=set)  # every file staged so far
+    locations: list[str] = field(default_factory=list)  # partition locations `tables` knows
+    # The files staged so far outside `locations`, by table (`_table_of`), in seq order:
+    # all in one table, or none, once a join has checked them.
+    tables: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+
+    def add(self, req: RecycleRequest, files: Iterable[tuple[int, Root, str, str]]) -> None:
+        """Record files (seq, root, path below it, key) of the transaction, whose request
+        with them included is `req`."""
+        self.refile(req)
+        for seq, root, rel, key in files:
+            self.next_seq = max(self.next_seq, seq + 1)
+            self.keys.add(key)
+            if req.table is not None and not _in_any(key, self.locations):
+                self.tables.setdefault(_table_of(root, rel), []).append(key)
+
+    def refile(self, req: RecycleRequest) -> None:
+        """Take the files in partition locations that `req` declares anew out of `tables`:
+        they are the labelled table's whatever their directory (see `_one_table`)."""
+        new = [d for d in req.partition_locations if d not in self.locations]
+        if not new:
+            return
+        self.locations += new
+        self.tables = {
+            table: kept
+            for table, keys in self.tables.items()
+            if (kept := [k for k in keys if not _in_any(k, new)])
+        }
+
+
+@dataclass
 class Recycler:
     layout: Layout
     index: Index
@@ -170,6 +209,7 @@ class Recycler:
         self.journal = Journal(self.layout, self.index, self.objects, self.warehouse)
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
+        self._statements: dict[str, _Statement] = {}  # of prepared transactions joined to
 
     def recycle(self, req: RecycleRequest, progress: Progress | None = None) -> RecycleResult:
         req, mode, items, dirs = self._plan(req, txid := uuid.uuid4().hex, 0)
@@ -199,7 +239,7 @@ class Recycler:
         except faults.Crash:
             raise  # an injected crash: nothing more happens, as if the process died
         except BaseException as e:
-            self._abort(txid, req, items, now, e)
+            self._abort(txid, req, lambda: items, now, e)
             raise  # _abort raised already; this keeps type checkers sure
         finally:
             self.objects.release(txid, {it.checksum for it in items if it.checksum})
@@ -263,12 +303,16 @@ class Recycler:
                         extra={"txid": txid, "error": str(e)})
 
     def _abort(
-        self, txid: str, req: RecycleRequest, items: list[Item], now: float, cause: BaseException
+        self, txid: str, req: RecycleRequest, items: Callable[[], Sequence[Item]], now: float,
+        cause: BaseException,
     ) -> None:
-        """Roll back after a failure, and raise what the client should see."""
+        """Roll back after a failure, and raise what the client should see. `items` lists
+        every file of the transaction: called only here, so a join need not load the files
+        of earlier parts unless it fails, and a failure to load them quarantines the
+        transaction like any other failed rollback."""
         retain = self.config.retain_for(req.db, req.table)
         try:
-            displaced = self.journal.rollback(txid, items, req.to_json(), now, retain)
+            displaced = self.journal.rollback(txid, items(), req.to_json(), now, retain)
         except Exception as e:
             self.index.quarantine_tx(txid, f"rollback: {type(e).__name__}: {e}")
             log.error("recycle could not be rolled back: quarantined",
@@ -413,27 +457,36 @@ class Recycler:
             new = uuid.uuid4().hex
             req, mode, items, dirs = self._plan(req, new, 0)
             with self._tx_lock(new):
-                return self._stage_prepared(
-                    new, req, [], items, until, progress,
+                self._stage_prepared(
+                    new, req, items, until, progress,
                     lambda: self.journal.begin(new, self.clock(), mode, req.to_json(), dirs,
                                                items),
+                    lambda: [],
                 )
+                return Prepared.of(new, items, until, len(items))
         joined = txid
         with self._tx_lock(joined):
-            tx = self._prepared(joined)
+            tx = self._prepared(joined, rows=False)
             until = max(until, tx.lease or 0.0)  # a part never shortens the statement's lease
-            earlier = self.journal.items_of(tx)
+            # Out of the map while this part joins, back only once it has: a join that fails
+            # leaves nothing behind that could disagree with the journal.
+            found = self._statements.pop(joined, None)
+            statement = self._statement(joined) if found is None else found
+            first_seq = statement.next_seq
+
+            def earlier() -> list[Item]:
+                return [it for t in self.index.pending(joined)
+                        for it in self.journal.items_of(t) if it.seq < first_seq]
+
             merged = RecycleRequest.from_json(tx.request)
             try:
-                req, mode, items, dirs = self._plan(
-                    req, joined, 1 + max((it.seq for it in earlier), default=-1)
-                )
+                req, mode, items, dirs = self._plan(req, joined, first_seq)
                 merged = _merge(merged, req)
+                statement.refile(merged)
                 # Every part is filed under the statement's one label.
-                _one_table(merged, ((it.root, it.rel, it.key) for it in [*earlier, *items]))
+                _one_table(merged, ((it.root, it.rel, it.key) for it in items), statement.tables)
                 # Copy mode leaves sources in place: a file named by two parts is one file.
-                known = {it.key for it in earlier}
-                items = [it for it in items if it.key not in known]
+                items = [it for it in items if it.key not in statement.keys]
             except BaseException as e:
                 self._abort(joined, merged, earlier, self.clock(), e)
                 raise
@@ -445,14 +498,34 @@ class Recycler:
                 ):
                     raise self._gone(joined)
 
-            return self._stage_prepared(joined, merged, earlier, items, until, progress, join)
+            self._stage_prepared(joined, merged, items, until, progress, join, earlier)
+            statement.add(merged, ((it.seq, it.root, it.rel, it.key) for it in items))
+            self._statements[joined] = statement
+            return Prepared.of(joined, items, until, len(statement.keys))
+
+    def _statement(self, txid: str) -> _Statement:
+        """What the journal holds of a prepared transaction, as a join checks against it:
+        built by its first join (then kept), so a statement of one part (a TRUNCATE of a
+        million files) never holds its keys in memory, and again after a restart.
+        Sources are placed under their roots by name: nothing is resolved again, the
+        journal recorded them confined and canonical."""
+        statement = _Statement()
+        for tx in self.index.pending(txid):
+            located = ((r.seq, self.warehouse.locate(r.source, resolve=False)) for r in tx.rows)
+            statement.add(
+                RecycleRequest.from_json(tx.request),
+                ((seq, loc.root, loc.rel, loc.key) for seq, loc in located),
+            )
+        return statement
 
     def _stage_prepared(
-        self, txid: str, req: RecycleRequest, earlier: list[Item], items: list[Item],
-        until: float, progress: Progress | None, record: Callable[[], None],
-    ) -> Prepared:
+        self, txid: str, req: RecycleRequest, items: list[Item], until: float,
+        progress: Progress | None, record: Callable[[], None],
+        earlier: Callable[[], list[Item]],
+    ) -> None:
         """`record` the new part in the journal, stage and hash it, then mark the whole
-        transaction prepared; any failure rolls back every part."""
+        transaction prepared; any failure rolls back every part (`earlier` lists the files
+        of the parts before this one)."""
         try:
             record()
             with self.journal.sessions() as sessions:
@@ -463,15 +536,9 @@ class Recycler:
         except faults.Crash:
             raise
         except BaseException as e:
-            self._abort(txid, req, [*earlier, *items], self.clock(), e)
+            self._abort(txid, req, lambda: [*earlier(), *items], self.clock(), e)
             raise
         faults.point("recycle.prepared")
-        # This part's files only: a statement that joins one file at a time (Hive's
-        # deletes) would otherwise be answered with every earlier file again, n² in all.
-        return Prepared(
-            txid, [RecycledFile(it.key, it.checksum or "", it.size) for it in items], until,
-            len(earlier) + len(items),
-        )
 
     def commit(self, txid: str) -> RecycleResult:
         """Publish a prepared transaction's files and record them with their one event.
@@ -506,7 +573,7 @@ class Recycler:
         lease has passed is rolled back, not renewed (`_prepared`)."""
         until = self.clock() + _lease(lease)
         with self._tx_lock(txid):
-            self._prepared(txid)
+            self._prepared(txid, rows=False)
             if not self.index.journal_renew(txid, until):
                 raise self._gone(txid)
         return until
@@ -535,6 +602,7 @@ class Recycler:
         return n
 
     def _roll_back(self, tx: PendingTx) -> list[str]:
+        """Roll back a prepared transaction: `tx` with its rows (`_prepared(rows=True)`)."""
         req = RecycleRequest.from_json(tx.request)
         retain = self.config.retain_for(req.db, req.table)
         try:
@@ -550,16 +618,18 @@ class Recycler:
                 " `cmroot fsck` for details; it is retried at the next start",
             ) from e
 
-    def _prepared(self, txid: str) -> PendingTx:
-        """A prepared transaction still within its lease. One whose lease has passed is
-        rolled back here and now, whether or not the expiry job got to it yet: the answer
-        to a late commit, join, renew or abort never depends on timing."""
-        found = self.index.pending(txid) if _TXID.fullmatch(txid) else []
+    def _prepared(self, txid: str, rows: bool = True) -> PendingTx:
+        """A prepared transaction still within its lease; without `rows`, without its file
+        rows (a join or renew needs none, and reading them all made every join cost every
+        file staged before it). One whose lease has passed is rolled back here and now,
+        whether or not the expiry job got to it yet: the answer to a late commit, join,
+        renew or abort never depends on timing."""
+        found = self.index.pending(txid, rows) if _TXID.fullmatch(txid) else []
         if not found or found[0].state != TxState.PREPARED:
             raise self._gone(txid)
         tx = found[0]
         if tx.lease is not None and tx.lease < self.clock():
-            self._roll_back(tx)
+            self._roll_back(tx if rows else self.index.pending(txid)[0])
             raise self._gone(txid)
         return tx
 
@@ -594,7 +664,10 @@ class Recycler:
                 yield
             finally:
                 with self._locks_lock:
-                    if self.index.tx_state(txid) is None:
+                    state = self.index.tx_state(txid)
+                    if state != TxState.PREPARED:  # committed, rolled back or quarantined
+                        self._statements.pop(txid, None)
+                    if state is None:
                         self._locks.pop(txid, None)
 
     def recover(self) -> int:
@@ -615,6 +688,13 @@ class Prepared:
     expires: float
     staged: int
 
+    @classmethod
+    def of(cls, txid: str, items: Sequence[Item], expires: float, staged: int) -> Prepared:
+        # This part's files only: a statement that joins one file at a time (Hive's
+        # deletes) would otherwise be answered with every earlier file again, n² in all.
+        return cls(txid, [RecycledFile(it.key, it.checksum or "", it.size) for it in items],
+                   expires, staged)
+
     def to_json(self) -> dict[str, Any]:
         return {"txid": self.txid, "files": [f.to_json() for f in self.files],
                 "expires": self.expires, "staged": self.staged}
@@ -634,27 +714,30 @@ def _lease(seconds: float) -> float:
     return float(seconds)
 
 
-def _one_table(req: RecycleRequest, paths: Iterable[tuple[Root, str, str]]) -> None:
+def _one_table(
+    req: RecycleRequest, paths: Iterable[tuple[Root, str, str]],
+    earlier: dict[tuple[str, str], list[str]] | None = None,
+) -> None:
     """Refuse a recycle labelled as one table whose (root, path below it, key) span
     several tables (Hive layout: `<root>/<db>.db/<table>`, or `<root>/<table>` for
-    `default`), or name a database directory. Refused rather than warned about: replicas
-    replay the event, so files filed under the wrong table are dropped or restored with
-    it there, long after a warning scrolled by."""
+    `default`), or name a database directory; `earlier`: the files of a transaction's
+    earlier parts by table (`_Statement.tables`), which count as if listed first.
+    Refused rather than warned about: replicas replay the event, so files filed under
+    the wrong table are dropped or restored with it there, long after a warning scrolled
+    by."""
     if req.table is None:
         return
-    tables: dict[tuple[str, str], str] = {}
+    tables = {table: keys[0] for table, keys in (earlier or {}).items()}
     for root, rel, key in paths:
-        if any(key == d or key.startswith(d.rstrip("/") + "/") for d in req.partition_locations):
+        if _in_any(key, req.partition_locations):
             continue  # in a partition's own location, declared as the table's
-        parts = rel.split("/")
-        in_db = parts[0].endswith(".db")
-        if in_db and len(parts) < 2:
+        if "/" not in rel and rel.endswith(".db"):
             raise BadRequest(
                 "one table per recycle",
-                f"{key} is database {parts[0][:-3]!r}, with all its tables: name the table's"
+                f"{key} is database {rel[:-3]!r}, with all its tables: name the table's"
                 ' directory, or leave out "table" (--table)',
             )
-        tables.setdefault((root.url, "/".join(parts[: 2 if in_db else 1])), key)
+        tables.setdefault(_table_of(root, rel), key)
     if len(tables) > 1:
         a, b = list(tables.values())[:2]
         raise BadRequest(
@@ -663,6 +746,17 @@ def _one_table(req: RecycleRequest, paths: Iterable[tuple[Root, str, str]]) -> N
             f"{req.table!r}: recycle each table on its own with its own \"table\" (--table), "
             'or leave out "table"',
         )
+
+
+def _table_of(root: Root, rel: str) -> tuple[str, str]:
+    """The table directory a path below `root` lies in: (root, `<db>.db/<table>` or
+    `<table>`)."""
+    parts = rel.split("/")
+    return root.url, "/".join(parts[: 2 if parts[0].endswith(".db") else 1])
+
+
+def _in_any(key: str, dirs: Iterable[str]) -> bool:
+    return any(key == d or key.startswith(d.rstrip("/") + "/") for d in dirs)
 
 
 def _merge(first: RecycleRequest, more: RecycleRequest) -> RecycleRequest:
