@@ -174,10 +174,11 @@ class _Statement:
         """Record files (seq, root, path below it, key) of the transaction, whose request
         with them included is `req`."""
         self.refile(req)
+        declared = _dirs(self.locations)
         for seq, root, rel, key in files:
             self.next_seq = max(self.next_seq, seq + 1)
             self.keys.add(key)
-            if req.table is not None and not _in_any(key, self.locations):
+            if req.table is not None and not _in_any(key, declared):
                 self.tables.setdefault(_table_of(root, rel), []).append(key)
 
     def refile(self, req: RecycleRequest) -> None:
@@ -187,10 +188,11 @@ class _Statement:
         if not new:
             return
         self.locations += new
+        fresh = _dirs(new)
         self.tables = {
             table: kept
             for table, keys in self.tables.items()
-            if (kept := [k for k in keys if not _in_any(k, new)])
+            if (kept := [k for k in keys if not _in_any(k, fresh)])
         }
 
 
@@ -259,7 +261,7 @@ class Recycler:
         if req.location is not None:
             req = replace(req, location=self.warehouse.locate(req.location).key)
         if req.partition_locations:
-            req = replace(req, partition_locations=self._partition_dirs(req.partition_locations))
+            req = replace(req, partition_locations=self._partition_dirs(req))
         mode = Mode(req.mode)
         located = [self.warehouse.locate(p) for p in req.paths]
         for loc in located:
@@ -278,19 +280,31 @@ class Recycler:
         ]
         return req, mode, items, [d.key for d in dirs]
 
-    def _partition_dirs(self, dirs: Sequence[str]) -> list[str]:
-        """Declared partition locations, confined and canonical; never a root or above one
-        (that would file a whole warehouse under one table)."""
+    def _partition_dirs(self, req: RecycleRequest) -> list[str]:
+        """The request's declared partition locations, confined and canonical. Never a root
+        or above one, a database directory (`<root>/<db>.db`), or another table's directory
+        by the warehouse layout (`<root>/<db>.db/<table>`): declared, those would file other
+        tables' files under this one's label."""
         out: list[str] = []
-        for d in dirs:
-            key = self.warehouse.locate(d).key
-            if self.warehouse.protected(key):
+        for d in req.partition_locations:
+            loc = self.warehouse.locate(d)
+            parts = loc.rel.split("/")
+            own = (f"{req.db}.db" if req.db else parts[0], req.table)
+            if self.warehouse.protected(loc.key):
                 raise Forbidden(
                     "a warehouse root is not a partition",
-                    f"{key} is a warehouse root or contains one: give the partition's own "
-                    "directory in partitionLocations",
+                    f"{loc.key} is a warehouse root or contains one: give the partition's own"
+                    " directory in partitionLocations",
                 )
-            out.append(key)
+            if parts[0].endswith(".db") and (
+                len(parts) == 1 or (len(parts) == 2 and (parts[0], parts[1]) != own)
+            ):
+                raise BadRequest(
+                    "one table per recycle",
+                    f"{loc.key} is a database directory or another table's directory: give"
+                    f" the own directories of {req.table!r}'s partitions in partitionLocations",
+                )
+            out.append(loc.key)
         return out
 
     def _finish(self, txid: str, mode: Mode, items: Sequence[Item], dirs: Sequence[str]) -> None:
@@ -728,8 +742,9 @@ def _one_table(
     if req.table is None:
         return
     tables = {table: keys[0] for table, keys in (earlier or {}).items()}
+    declared = _dirs(req.partition_locations)
     for root, rel, key in paths:
-        if _in_any(key, req.partition_locations):
+        if _in_any(key, declared):
             continue  # in a partition's own location, declared as the table's
         if "/" not in rel and rel.endswith(".db"):
             raise BadRequest(
@@ -755,8 +770,24 @@ def _table_of(root: Root, rel: str) -> tuple[str, str]:
     return root.url, "/".join(parts[: 2 if parts[0].endswith(".db") else 1])
 
 
-def _in_any(key: str, dirs: Iterable[str]) -> bool:
-    return any(key == d or key.startswith(d.rstrip("/") + "/") for d in dirs)
+def _dirs(dirs: Iterable[str]) -> frozenset[str]:
+    return frozenset(d.rstrip("/") for d in dirs)
+
+
+def _in_any(key: str, known: frozenset[str]) -> bool:
+    """Is `key` one of the directories `known` (from `_dirs`) or under one? By its
+    ancestors, not by every directory: a request may declare many and name many paths."""
+    if not known:
+        return False
+    at = key.rstrip("/")
+    while at:
+        if at in known:
+            return True
+        cut = at.rfind("/")
+        if cut <= 0 or at[:cut].endswith(":/"):  # "/" or "s3://": no ancestor to test
+            return False
+        at = at[:cut]
+    return False
 
 
 def _merge(first: RecycleRequest, more: RecycleRequest) -> RecycleRequest:
