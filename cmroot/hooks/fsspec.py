@@ -60,14 +60,21 @@ What is protected, and how:
   write over it whole undoes that move and recycles the file at its old path.
 - **Moves out of the roots** (`mv` of a file or directory under a root to a path outside
   every root) are deletes as far as the table and its replicas are concerned: the call
-  copies the files to the destination, then recycles the sources in its transaction; a
-  refused recycle removes the copies and leaves the sources.
+  copies the files beside their destinations, prepares the sources in its transaction,
+  then renames each copy over its destination (as a rename would: a symlink there is
+  replaced, never written through) and commits; a refused recycle removes the copies
+  and the directories the call made, and leaves the sources and the destinations.
 - **`fs.transaction`** is one unit too: the replacements made inside it wait for its end,
   `rm`s inside it join its two-phase transaction at once (the files leave for staging;
-  paths outside the roots are renamed aside until its end), files it creates under a root
-  are taken back if it fails, and files opened for writing elsewhere are deferred by the
-  target, as fsspec defers them. A block that ends cleanly commits all of it with one
-  event; one that raises leaves every path as it was, with no event.
+  paths outside the roots are only noted, and deleted at its end after the prepare, so
+  reads inside the block still see them), the copies of a move out of the roots are
+  put in place at its end, files it creates under a root are taken back if it fails,
+  and files opened for writing elsewhere are deferred by the target, as fsspec defers
+  them. A block that ends cleanly commits all of it with one event; one that raises
+  leaves every path as it was, with no event, and so does a process that dies inside it
+  (the daemon puts the recycled files back when the lease ends). A block inside another
+  joins it: the outermost end commits or takes back the whole, and an inner block that
+  raises fails it even if the error is caught.
 - **The lease.** Between prepare and commit there are only renames on a local
   filesystem (the long writes come before the prepare); on an object store a move-in is a
   server-side copy, which can take long for big objects, so between move-ins the lease is
@@ -523,12 +530,12 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
     ) -> None:
         """Recycle `keep` and delete `rest` (not recycled) as one step: prepare, delete
         `rest`, commit. Inside `fs.transaction` the prepare joins the transaction's, and
-        `rest` is only set aside (`_set_aside`): its end commits or aborts. Inside a call
-        (the sources a move takes out of the roots, a moved file written over) the
+        `rest` is only noted (`_doom`): its end deletes it and commits, or aborts. Inside
+        a call (the sources a move takes out of the roots, a moved file written over) the
         prepare joins the call's, which its end commits or aborts."""
         unit = self._unit()
         batch = unit or self._calls.batch
-        remove = self._remove if unit is None else partial(self._set_aside, unit)
+        remove = self._remove if batch is None else partial(self._doom, batch)
         if not keep:
             remove(rest, recursive, maxdepth)
             return
@@ -561,43 +568,56 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         if batch is None:
             self._commit(tx, keep, replaced=False)
 
-    def _set_aside(
-        self, unit: _Batch, paths: list[str], recursive: bool, maxdepth: int | None
-    ) -> None:
-        """Inside `fs.transaction`, what would be deleted without a recycle (paths outside
-        the roots, or anything when failed open) is renamed to a hidden name beside it
-        instead: removed when the transaction commits (`_drop_aside`), renamed back if it
-        fails (`_undo`), so a block that raises leaves those paths as they were too."""
+    def _doom(self, batch: _Batch, paths: list[str], recursive: bool, maxdepth: int | None) -> None:
+        """Inside a unit, what would be deleted without a recycle (paths outside the roots,
+        or anything when failed open) is only noted, the paths checked to be there (by
+        the caller: `rm` checks what it names): the unit's end deletes it once its
+        prepare has succeeded (`_set_aside`, `_drop_aside`). Nothing is renamed before:
+        a block that raises, or a process that dies inside it, leaves those paths as
+        they were (a failed open source of a move out goes only after its copy is in
+        place)."""
         if not paths:
             return
         if self._local:
             # The local target removes a directory whole (it ignores maxdepth): so does
-            # renaming the topmost paths.
+            # `_set_aside`, which takes the topmost paths.
+            files, dirs = list(paths), []
+        else:
+            # Elsewhere exactly the files the target would delete now; their directories
+            # (mere prefixes on an object store) go once empty, at the end.
+            found = self.fs.expand_path(paths, recursive=recursive, maxdepth=maxdepth)
+            dirs = [p for p in found if self.fs.isdir(p)]
+            files = [p for p in found if p not in dirs]
+        with batch.lock:
+            batch.doomed += files
+            batch.emptied += dirs
+
+    def _set_aside(self, batch: _Batch) -> None:
+        """At the unit's end, after its prepare: rename what it deletes without a recycle
+        (`_doom`) to hidden names beside it, all of it before anything is removed for good
+        (`_drop_aside`), so that a failure on the way renames it all back (`_undo`)."""
+        if not batch.doomed:
+            return
+        if self._local:
             guard = self._root_ids()
-            for p in _tops(paths):
+            # Topmost only: a path named twice, or inside a directory named too, goes
+            # with it.
+            for p in _tops(batch.doomed):
                 where = _sibling(p)
                 parent, name = posixpath.split(p)
                 with _bound_dir(parent) as pfd, _named(name, p):
                     if stat.S_ISDIR(os.lstat(name, dir_fd=pfd).st_mode):
                         _check_dir_at(pfd, name, p, guard)
                     os.rename(name, posixpath.basename(where), src_dir_fd=pfd, dst_dir_fd=pfd)
-                with unit.lock:
-                    unit.aside.append((p, where))
+                batch.aside.append((p, where))
             return
-        # Elsewhere exactly the files the target would delete; their directories (mere
-        # prefixes on an object store) go once empty, when the transaction commits.
-        for p in self.fs.expand_path(paths, recursive=recursive, maxdepth=maxdepth):
-            if self.fs.isdir(p):
-                with unit.lock:
-                    unit.emptied.append(p)
-                continue
+        for p in dict.fromkeys(batch.doomed):  # once each, in the order the rms named them
             where = _sibling(p)
             self.fs.mv(p, where)
-            with unit.lock:
-                unit.aside.append((p, where))
+            batch.aside.append((p, where))
 
     def _drop_aside(self, batch: _Batch) -> None:
-        """Remove for good what `_set_aside` kept (the transaction commits)."""
+        """Remove for good what `_set_aside` kept (the unit is about to commit)."""
         self._remove([where for _, where in batch.aside], True, None)
         self._prune(batch.emptied)
 
@@ -633,6 +653,8 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
 
     def _prune(self, dirs: Iterable[str]) -> None:
         """Remove those of `dirs` left empty, deepest first; a non-empty one stays."""
+        if not dirs:
+            return
         guard = self._root_ids() if self._local else {}
         for d in sorted(dirs, key=lambda p: p.count("/"), reverse=True):
             try:
@@ -653,6 +675,22 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         """Where a replacement joins: the call running in this thread, else the
         transaction in progress."""
         return self._calls.batch or self._unit()
+
+    def start_transaction(self) -> _CmrootTransaction:
+        """As entering `with fs.transaction:` (fsspec's would start a new transaction over
+        one in progress, dropping what it holds): inside one, this joins it."""
+        t: _CmrootTransaction = self.transaction
+        t.start()
+        return t
+
+    def end_transaction(self) -> None:
+        """As a `with fs.transaction:` block ending cleanly: an inner end does nothing
+        (fsspec's would drop the transaction in progress), the outermost commits."""
+        t: _CmrootTransaction = self.transaction
+        if t.depth > 1:
+            t.complete()
+            return
+        super().end_transaction()
 
     @contextmanager
     def _one_call(self) -> Iterator[None]:
@@ -679,6 +717,10 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
             for s in batch.swaps.values():
                 self._add_swap(unit, s)
             unit.created += batch.created
+            unit.outs += batch.outs
+            unit.doomed += batch.doomed
+            unit.emptied += batch.emptied
+            unit.dirs += batch.dirs
 
     def _made(self, dst: str) -> tuple[_Batch, _Made] | None:
         """What this call (or transaction) last wrote at `dst`, and in which batch."""
@@ -771,8 +813,11 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
 
     def _swap_in(self, batch: _Batch) -> None:
         """Prepare the old files (joining the transaction's, if an rm began one), move the
-        new ones into place, commit what the target deferred, then commit; on any failure
-        the new files come back out, then the old ones are put back (abort)."""
+        new ones into place, set aside what the unit deletes without a recycle, put the
+        copies of a move out of the roots in place, commit what the target deferred,
+        remove what was set aside, then commit; on any failure before the removal the
+        new files come back out, what was set aside is renamed back, then the old ones
+        are put back (abort)."""
         swaps = list(batch.swaps.values())
         if batch.broken is not None:
             self._rollback(batch, batch.broken)
@@ -780,7 +825,7 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
                 "the transaction was not committed: a part of it failed",
                 f"{batch.broken}; every path under the warehouse roots is as it was",
             ) from batch.broken
-        if not (swaps or batch.tx or batch.deferred or batch.aside or batch.emptied):
+        if not (swaps or batch.tx or batch.deferred or batch.doomed or batch.emptied or batch.outs):
             return
         tx = batch.tx
         try:
@@ -800,6 +845,10 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
                 faults.point("fsspec.moved_in")
                 if tx is not None:
                     tx.keep()
+            # Before the copies: a path an rm named and a move out then wrote keeps the copy.
+            self._set_aside(batch)
+            for s in batch.outs:
+                self._place(s)
             while batch.deferred:
                 batch.deferred.pop(0).commit()
             self._drop_aside(batch)
@@ -838,11 +887,21 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
     def _move_out(self, s: _Swap, where: str) -> None:
         self.fs.mv(where, s.tmp)
 
+    def _place(self, s: _Swap) -> None:
+        """A copy out of the roots renamed over its destination, as a move would: the name
+        is replaced (a symlink there included), nothing it pointed to is written."""
+        if not self._local:
+            self.fs.mv(s.tmp, s.path)
+            return
+        parent, name = posixpath.split(s.path)
+        with _bound_dir(parent) as pfd, _named(name, s.path):
+            os.rename(posixpath.basename(s.tmp), name, src_dir_fd=pfd, dst_dir_fd=pfd)
+
     def _undo(self, batch: _Batch) -> None:
         """Take back what `batch` wrote: new files beside old ones, files it created under
-        a root (or copied out of one), files the target deferred; and put back what its
-        rms set aside."""
-        for s in batch.swaps.values():
+        a root, copies out of one not yet in place, files the target deferred, then the
+        directories it created, once empty; and put back what its rms set aside."""
+        for s in [*batch.swaps.values(), *batch.outs]:
             self._quietly(s.take_back, s.tmp)
         for made in reversed(batch.created):
             self._quietly(made.take_back, made.path)
@@ -854,6 +913,12 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
                 f.discard()
             except Exception as e:
                 log.warning("could not discard a deferred file", extra={"error": str(e)})
+        try:
+            self._prune(batch.dirs)
+        except CmrootError as e:  # a directory on the way swapped for a symlink: left
+            log.warning(
+                "could not remove the directories a failed call made", extra={"error": str(e)}
+            )
 
     def _rollback(self, batch: _Batch, cause: BaseException | None) -> None:
         """`_undo`, and abort the transaction its rms prepared."""
@@ -1168,7 +1233,7 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         leaving: list[str] = []
         with self._one_call():
             for d in dirs:  # never destructive: an existing one (a root, say) is kept as is
-                self.fs.makedirs(d, exist_ok=True)
+                self._makedirs(d)
             for src, to in pairs:
                 dst = self._dest(to, follow=False)
                 if self._leaves(src, dst):
@@ -1205,13 +1270,40 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         return self._recyclable(src) and self._below(dst) is None
 
     def _copy_out(self, src: str, dst: str) -> None:
-        """The copy a move out of the roots leaves at `dst`; its source is recycled with
-        the rest of the call, and the copy removed if the call fails."""
+        """The copy a move out of the roots leaves at `dst`: written beside it, and renamed
+        over it (`_place`) only at the unit's end, once its source is prepared into the
+        unit's transaction; if the unit fails the copy is removed and `dst` never changed.
+        Never written through `dst`: a symlink there may point into the warehouse."""
         batch = self._calls.batch
         assert batch is not None  # mv runs in _one_call
+        out = _Swap(dst, _sibling(dst), self._drop)
         with batch.lock:
-            batch.created.append(_Made(dst, self._drop))
-        self.fs.cp_file(src, dst)
+            batch.outs.append(out)
+        self.fs.cp_file(src, out.tmp)
+
+    def _makedirs(self, path: str) -> None:
+        """The target's makedirs, noting in the call's batch the directories it creates
+        (resolved, for `_prune`), so that a failed call removes them again once empty.
+        A root, or a directory containing one, is never noted: it is never removed."""
+        missing: list[str] = []
+        p = path
+        while not self.fs.lexists(p):
+            missing.append(p)
+            parent = self.fs._parent(p)
+            if not parent or parent == p:  # the top: "/", or a bucket's ""
+                break
+            p = parent
+        self.fs.makedirs(path, exist_ok=True)
+        batch = self._calls.batch
+        assert batch is not None  # mv runs in _one_call
+        for d in missing:
+            real = self._real(d)
+            try:
+                self._refuse_roots([real])
+            except Forbidden:
+                continue
+            with batch.lock:
+                batch.dirs.append(real)
 
     def _dir_dest(self, src: str, dst: str) -> str:
         """Where the local target's move of the directory `src` to `dst` puts it
@@ -1356,9 +1448,9 @@ class _Swap:
 
 @dataclass
 class _Made:
-    """A file a unit wrote at `path` (under a root, or a copy out of one) and how to take
-    it back; for a warehouse file it moved there, the `source` it came from (then not
-    the unit's own output: see `CmrootFileSystem._reclaim`)."""
+    """A file a unit wrote at `path` under a root and how to take it back; for a
+    warehouse file it moved there, the `source` it came from (then not the unit's own
+    output: see `CmrootFileSystem._reclaim`)."""
 
     path: str
     take_back: Callable[[str], None]
@@ -1367,17 +1459,22 @@ class _Made:
 
 @dataclass
 class _Batch:
-    """What one unit (a call, or `fs.transaction`) has done under the roots so far: the
-    replacements waiting to be swapped in, the files it created, the files the target
-    deferred, what its rms set aside (path, where it waits) and the directories they
-    leave to remove once empty, and the transaction its rms (or a move out of the roots)
+    """What one unit (a call, or `fs.transaction`) has done so far: the replacements
+    waiting to be swapped in, the files it created under a root, the copies of a move out
+    of the roots waiting beside their destinations, the directories it created, the
+    files the target deferred, what it deletes without a recycle at its end (and the
+    directories that leaves to remove once empty), what of that its end has set aside
+    (path, where it waits), and the transaction its rms (or a move out of the roots)
     prepared (with the failure that broke it, if one did)."""
 
     swaps: dict[str, _Swap] = field(default_factory=dict)
     created: list[_Made] = field(default_factory=list)
+    outs: list[_Swap] = field(default_factory=list)
+    dirs: list[str] = field(default_factory=list)
     deferred: list[Any] = field(default_factory=list)
-    aside: list[tuple[str, str]] = field(default_factory=list)
+    doomed: list[str] = field(default_factory=list)
     emptied: list[str] = field(default_factory=list)
+    aside: list[tuple[str, str]] = field(default_factory=list)
     tx: _Tx | None = None
     broken: BaseException | None = None
     # A transaction's batch is shared by the threads writing inside it.
@@ -1393,19 +1490,36 @@ class _Calls(threading.local):
 class _CmrootTransaction(Transaction):  # type: ignore[misc]
     """fsspec's `fs.transaction` on the hook: one unit (see the module docstring). Its
     end swaps in every replacement made inside it, with the deletes its rms prepared, in
-    one two-phase transaction; a block that raises takes everything back."""
+    one two-phase transaction; a block that raises takes everything back. A block inside
+    another joins it (`fs.transaction` is one object per filesystem): its end does
+    nothing, the outermost one commits or takes back the whole."""
 
     fs: Any  # the filesystem, until the transaction completes (then None, as fsspec's)
 
     def __init__(self, fs: CmrootFileSystem, **kwargs: Any) -> None:
         super().__init__(fs, **kwargs)
         self.batch = _Batch()
+        self.depth = 0  # blocks entered and not yet ended
 
     def start(self) -> None:
-        super().start()
-        self.batch = _Batch()
+        self.depth += 1
+        if self.depth == 1:
+            super().start()
+            self.batch = _Batch()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is not None and self.depth > 1:
+            # An inner block that raises fails the unit, even if the error is caught
+            # before the outermost end: that end then takes everything back and says so.
+            with self.batch.lock:
+                self.batch.broken = self.batch.broken or exc
+        self.complete(commit=exc_type is None)
 
     def complete(self, commit: bool = True) -> None:
+        if self.depth > 1:
+            self.depth -= 1
+            return
+        self.depth = 0
         fs: CmrootFileSystem = self.fs
         batch = self.batch
         self.batch = _Batch()
