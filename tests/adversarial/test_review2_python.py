@@ -4,19 +4,19 @@ real daemon subprocesses over loopback HTTP, real SQLite, real files under tmp d
 
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from cmroot import checksum as cks
 from cmroot.client import Client
 from cmroot.exceptions import CmrootError
 from cmroot.hooks.fsspec import CmrootFileSystem
+from tests.adversarial.fsspeclib import attempt, lost, table
+from tests.adversarial.fsspeclib import hook as _hook
 from tests.server.cmroot_daemon import Daemon, write_files
 
 pytestmark = pytest.mark.timeout(600)
@@ -26,48 +26,6 @@ pytestmark = pytest.mark.timeout(600)
 def wh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     with Daemon(tmp_path_factory.mktemp("rv2") / "lake").serving(check_errors=False) as d:
         yield d
-
-
-def hook(d: Daemon, **kw: Any) -> CmrootFileSystem:
-    return CmrootFileSystem(
-        target_protocol="file",
-        url=d.url,
-        token=d.tokens["write"],
-        warehouse_roots=[str(d.warehouse)],
-        retry_delays=(),
-        **kw,
-    )
-
-
-def table(d: Daemon, n: int = 2) -> dict[str, bytes]:
-    name = os.urandom(4).hex()
-    return write_files(
-        d.warehouse,
-        {f"db.db/t{name}/p={i}/part-{i}.parquet": f"old {i} {name}".encode() for i in range(n)},
-    )
-
-
-def status(d: Daemon, path: str, data: bytes) -> str:
-    [r] = d.client("read").resolve([{"path": path, "checksum": cks.of_bytes(data)}]).files
-    return str(r.status)
-
-
-def lost(d: Daemon, files: dict[str, bytes]) -> list[str]:
-    """Files neither in place with their bytes nor retrievable by (path, checksum)."""
-    out = []
-    for p, b in files.items():
-        here = Path(p).is_file() and not Path(p).is_symlink() and Path(p).read_bytes() == b
-        if not here and status(d, p, b) != "cmroot":
-            out.append(p)
-    return out
-
-
-def attempt(call: Callable[[], Any]) -> BaseException | None:
-    try:
-        call()
-    except Exception as e:
-        return e
-    return None
 
 
 # -- fsspec: a move out of the roots removes warehouse files without a recycle ---------------
@@ -80,6 +38,10 @@ def test_mv_of_a_warehouse_file_out_of_the_roots_loses_it(wh: Daemon, tmp_path: 
     hook(wh).mv(src, str(tmp_path / "x"))
     assert not Path(src).exists()
     assert lost(wh, files) == []
+
+
+def hook(d: Daemon, scope: str = "write", **kw: Any) -> CmrootFileSystem:
+    return _hook(d, scope=scope, retry_delays=(), **kw)
 
 
 def test_mv_of_a_table_directory_out_of_the_roots_loses_it(wh: Daemon, tmp_path: Path) -> None:

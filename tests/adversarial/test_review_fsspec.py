@@ -29,9 +29,8 @@ from typing import Any
 import pytest
 from cmroot_testlib import tree
 
-from cmroot import checksum as cks
 from cmroot.exceptions import CmrootError
-from cmroot.hooks.fsspec import CmrootFileSystem
+from tests.adversarial.fsspeclib import attempt, hook, lost, status, table
 from tests.server.cmroot_daemon import Daemon, MakeDaemon, write_files
 
 pytestmark = pytest.mark.timeout(600)
@@ -45,50 +44,8 @@ def wh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         yield d
 
 
-def hook(d: Daemon, roots: list[str] | None = None, **kw: Any) -> CmrootFileSystem:
-    return CmrootFileSystem(
-        target_protocol="file",
-        url=d.url,
-        token=d.tokens["write"],
-        warehouse_roots=roots or [str(d.warehouse)],
-        **kw,
-    )
-
-
-def table(d: Daemon, n: int = 2, tag: str = "") -> dict[str, bytes]:
-    name = tag + os.urandom(4).hex()
-    return write_files(
-        d.warehouse,
-        {f"db.db/t{name}/p={i}/part-{i}.parquet": f"old {i} {name}".encode() for i in range(n)},
-    )
-
-
-def status(d: Daemon, path: str, data: bytes) -> str:
-    [r] = d.client("read").resolve([{"path": path, "checksum": cks.of_bytes(data)}]).files
-    return str(r.status)
-
-
-def lost(d: Daemon, files: dict[str, bytes]) -> list[str]:
-    """Files neither in place with their bytes nor retrievable from the store by
-    (original path, checksum): invariant 1 broken for each."""
-    out = []
-    for p, b in files.items():
-        here = Path(p).is_file() and not Path(p).is_symlink() and Path(p).read_bytes() == b
-        if not here and status(d, p, b) != "cmroot":
-            out.append(p)
-    return out
-
-
 def events_since(d: Daemon, since: int) -> list[dict[str, Any]]:
     return d.client().events(since + 1, 1000)
-
-
-def attempt(call: Callable[[], Any]) -> BaseException | None:
-    try:
-        call()
-    except Exception as e:  # the outcome is judged by the state it leaves
-        return e
-    return None
 
 
 # -- 1. `..` after a symlink: the hook normalises it away, the kernel does not -----------------
