@@ -1047,6 +1047,10 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         self._refuse_roots([p])
         if self._recyclable(p) and not self._is_dir(p):
             self._delete([p], [], False, None)
+        elif self._unit() is not None:
+            if not self.fs.lexists(p):
+                raise FileNotFoundError(p)
+            self._delete([], [p], False, None)  # noted: the unit's end deletes it
         elif self._local:
             self._remove_local(p, False, self._root_ids())
         else:

@@ -7,6 +7,7 @@ it was, with no event. Real daemon, real files."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -123,3 +124,27 @@ def test_a_refused_part_leaves_the_whole_transaction_undone(daemon: Daemon) -> N
     assert escaping.is_symlink() and outside.read_bytes() == b"outside"
     assert events_after(daemon, since) == []
     assert tree(daemon.store / "staging") == {}
+
+
+@pytest.mark.parametrize("outcome", ["clean", "raises"])
+def test_rm_file_outside_the_roots_waits_for_the_end(
+    daemon: Daemon, tmp_path: Path, outcome: str
+) -> None:
+    """`rm_file` of a path outside the roots inside `fs.transaction` is deleted at the end,
+    with the rest: a block that raises leaves it in place."""
+    [(inside, data)] = table(daemon, 1).items()
+    outside = tmp_path / "keep-me"
+    outside.write_bytes(b"outside")
+    fs = hook(daemon)
+    expect = pytest.raises(RuntimeError) if outcome == "raises" else contextlib.nullcontext()
+    with expect, fs.transaction:
+        fs.rm_file(str(outside))
+        fs.rm_file(inside)
+        assert outside.exists()  # deleted at the end, not before
+        if outcome == "raises":
+            raise RuntimeError("the block fails")
+    if outcome == "raises":
+        assert outside.read_bytes() == b"outside" and Path(inside).read_bytes() == data
+    else:
+        assert not outside.exists() and not Path(inside).exists()
+        assert status(daemon, inside, data) == "cmroot"
