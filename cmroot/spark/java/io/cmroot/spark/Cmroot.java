@@ -510,18 +510,22 @@ public final class Cmroot {
     // The table's partitions at custom locations outside `location`: directory -> spec, for
     // the partitions and new files a write records.
     final Map<String, Map<String, String>> partitionDirs;
+    // A LOAD DATA: every data file the statement writes into its table is recorded as its
+    // INSERT (LOAD DATA LOCAL copies with plain creates, which no commit protocol sees).
+    final boolean loading;
 
     public Ctx(String op, String db, String table, boolean purge, String location) {
-      this(op, db, table, purge, location, false, Map.of());
+      this(op, db, table, purge, location, false, Map.of(), false);
     }
 
     public Ctx(String op, String db, String table, boolean purge, String location,
         boolean creating) {
-      this(op, db, table, purge, location, creating, Map.of());
+      this(op, db, table, purge, location, creating, Map.of(), false);
     }
 
     private Ctx(String op, String db, String table, boolean purge, String location,
-        boolean creating, Map<String, Map<String, String>> partitionDirs) {
+        boolean creating, Map<String, Map<String, String>> partitionDirs, boolean loading) {
+      this.loading = loading;
       this.op = op;
       this.db = db;
       this.table = table;
@@ -533,7 +537,12 @@ public final class Cmroot {
 
     /** This context, with the table's partitions at custom locations (directory -> spec). */
     Ctx withPartitionDirs(Map<String, Map<String, String>> dirs) {
-      return new Ctx(op, db, table, purge, location, creating, Map.copyOf(dirs));
+      return new Ctx(op, db, table, purge, location, creating, Map.copyOf(dirs), loading);
+    }
+
+    /** This context, for a LOAD DATA. */
+    Ctx loading() {
+      return new Ctx(op, db, table, purge, location, creating, partitionDirs, true);
     }
 
     /** The directories of the table: its location, then its custom partition locations. */

@@ -73,7 +73,8 @@ final class CmrootCommands {
     }
     if (plan instanceof LoadDataCommand) {
       LoadDataCommand c = (LoadDataCommand) plan;
-      return forTable(session, c.isOverwrite() ? "INSERT_OVERWRITE" : "INSERT", c.table(), false);
+      return forTable(session, c.isOverwrite() ? "INSERT_OVERWRITE" : "INSERT", c.table(), false)
+          .loading();
     }
     if (plan instanceof InsertIntoHadoopFsRelationCommand) {
       InsertIntoHadoopFsRelationCommand c = (InsertIntoHadoopFsRelationCommand) plan;

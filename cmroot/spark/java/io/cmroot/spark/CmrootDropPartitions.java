@@ -107,8 +107,8 @@ final class CmrootDropPartitions {
       scala.collection.immutable.Map<String, String> spec) {
     List<CatalogTablePartition> exact = CollectionConverters.asJava(
         catalog.listPartitions(qualified, Option.apply(spec)));
-    if (!exact.isEmpty()) {
-      return exact;
+    if (!exact.isEmpty() || spec.size() < table.partitionColumnNames().size()) {
+      return exact; // a partial spec Spark matches as written: no match is a no-op there too
     }
     List<CatalogTablePartition> out = new ArrayList<>();
     for (CatalogTablePartition p : CollectionConverters.asJava(

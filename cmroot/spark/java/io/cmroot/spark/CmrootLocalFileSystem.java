@@ -46,7 +46,24 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     if (overwrite) {
       recycleReplaced(f);
     }
-    return super.create(f, permission, overwrite, bufferSize, replication, blockSize, progress);
+    FSDataOutputStream out = super.create(f, permission, overwrite, bufferSize, replication,
+        blockSize, progress);
+    loaded(f);
+    return out;
+  }
+
+  /** A data file a LOAD DATA writes into its table (LOCAL: a copy): part of its INSERT. */
+  private void loaded(Path f) {
+    CmrootStatement st = CmrootStatement.current();
+    if (st == null || !st.ctx.loading) {
+      return;
+    }
+    String local = Cmroot.localPath(pathToFile(f).getPath());
+    Cmroot.Ctx into = local == null ? null : st.ctx.appliesTo(local);
+    if (into != null && into.table != null && !Cmroot.isTemporary(local)
+        && !Cmroot.isHiddenName(new File(local).getName())) {
+      st.movedIn(local);
+    }
   }
 
   @Override
@@ -99,12 +116,22 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     String from = st == null || !s.enabled ? null : Cmroot.localPath(pathToFile(src).getPath());
     String to = from == null ? null : Cmroot.localPath(pathToFile(dst).getPath());
     Cmroot.Ctx into = to == null ? null : st.ctx.appliesTo(to);
+    java.nio.file.Path source = from == null ? null : new File(from).toPath();
+    boolean link = source != null && Files.isSymbolicLink(source);
     if (into == null || into.table == null || Cmroot.isTemporary(from)
-        || !Files.isRegularFile(new File(from).toPath(), LinkOption.NOFOLLOW_LINKS)) {
+        || !(link || Files.isRegularFile(source, LinkOption.NOFOLLOW_LINKS))) {
       return super.rename(src, dst); // a job's or Hive's staging output, or a directory
     }
-    if (Cmroot.protectedPath(from, s) && into.appliesTo(from) == null
-        && !st.prepareCopy(List.of(from), "the move of " + from + " into " + into.table)) {
+    if (link) {
+      throw new Cmroot.RecycleException("cmroot refuses to move " + from + " into "
+          + into.db + "." + into.table + ": it is a symlink, which cmroot never follows, so"
+          + " the table's new data could not be recorded for replication. Nothing was moved."
+          + " Load the file itself.", null);
+    }
+    // A data file leaving its place under the roots (another table's, or another partition
+    // of this one): its bytes are kept there first.
+    if (Cmroot.protectedPath(from, s) && !st.prepareCopy(List.of(from),
+        "the move of " + from + " into " + into.table, into.appliesTo(from))) {
       return super.rename(src, dst); // failed open
     }
     boolean moved = super.rename(src, dst);

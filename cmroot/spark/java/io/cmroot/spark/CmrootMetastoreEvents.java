@@ -208,6 +208,9 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
         files.addAll(Cmroot.dataFiles(new File(dir), true, null));
       }
     }
+    if (parts.isEmpty()) {
+      return; // MSCK REPAIR with nothing to add still calls the metastore with no partitions
+    }
     Map<String, Object> body = event("ADD_PARTITION", t.getDbName(), t.getTableName());
     body.put("location", loc);
     body.put("partitions", parts);

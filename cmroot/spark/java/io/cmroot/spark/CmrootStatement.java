@@ -113,18 +113,32 @@ public final class CmrootStatement {
    * statement: a copy-mode recycle, op DELETE, committed with the rest. The rename then moves
    * the files themselves. Returns false when failed open.
    */
-  boolean prepareCopy(List<String> paths, String part) throws Cmroot.RecycleException {
+  boolean prepareCopy(List<String> paths, String part, Cmroot.Ctx from)
+      throws Cmroot.RecycleException {
     CmrootStatement u = unit;
     if (u.failure != null) {
       throw new Cmroot.RecycleException("cmroot: " + u.failure, null);
     }
+    // Labelled with the table when the file leaves a partition of the statement's own table
+    // (a replica of it must drop it there); a file of another table has no known label.
+    String db = from == null ? null : from.db;
+    String table = from == null ? null : from.table;
     CmrootTransaction tx;
     synchronized (u.txs) {
-      tx = u.txs.computeIfAbsent("copy\u0000" + CmrootTransaction.key("DELETE", null, null,
-          false), k -> new CmrootTransaction(s, "copy", "DELETE", null, null, false, null,
-          "the files the statement " + ctx + " moves out of their place"));
+      tx = u.txs.computeIfAbsent("copy\u0000" + CmrootTransaction.key("DELETE", db, table,
+          false), k -> new CmrootTransaction(s, "copy", "DELETE", db, table, false,
+          from == null ? null : from.location,
+          "the files the statement " + ctx + " moves out of their place")
+          .withPartitionLocations(from == null ? List.of() : from.partitionLocations()));
     }
-    return tx.prepare(paths, List.of(), part);
+    List<Map<String, String>> parts = new ArrayList<>();
+    for (String p : from == null ? List.<String>of() : paths) {
+      Map<String, String> kv = from.partitionOf(p, false);
+      if (!kv.isEmpty() && !parts.contains(kv)) {
+        parts.add(kv);
+      }
+    }
+    return tx.prepare(paths, parts, part);
   }
 
   /**
