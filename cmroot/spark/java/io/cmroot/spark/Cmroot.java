@@ -721,7 +721,7 @@ public final class Cmroot {
       if (s.token != null) {
         rb.header("Authorization", "Bearer " + s.token);
       }
-      HttpResponse<String> resp = http().send(rb.build(), HttpResponse.BodyHandlers.ofString());
+      HttpResponse<String> resp = sendThroughInterrupts(rb.build());
       if (resp.statusCode() == 200) {
         return new Answer(200, resp.body(), null, null);
       }
@@ -730,9 +730,35 @@ public final class Cmroot {
     } catch (IOException e) {
       return new Answer(0, null, "the daemon at " + s.url + " is unreachable (" + e
           + "); is `cmroot serve` running?", e);
-    } catch (InterruptedException e) {
-      Thread.currentThread().interrupt();
-      return new Answer(0, null, "interrupted while waiting for the daemon at " + s.url, e);
+    }
+  }
+
+  /**
+   * Send and wait for the answer even if this thread is interrupted (Hive cancels the other
+   * loads of a failed statement with interrupts): a commit or abort cut short would leave a
+   * statement's files staged until the lease passes. The request has its own timeout; the
+   * interrupt is kept for the caller.
+   */
+  private static HttpResponse<String> sendThroughInterrupts(HttpRequest request)
+      throws IOException {
+    boolean interrupted = Thread.interrupted();
+    try {
+      java.util.concurrent.CompletableFuture<HttpResponse<String>> answer =
+          http().sendAsync(request, HttpResponse.BodyHandlers.ofString());
+      while (true) {
+        try {
+          return answer.get();
+        } catch (InterruptedException e) {
+          interrupted = true;
+        } catch (java.util.concurrent.ExecutionException e) {
+          Throwable cause = e.getCause();
+          throw cause instanceof IOException ? (IOException) cause : new IOException(cause);
+        }
+      }
+    } finally {
+      if (interrupted) {
+        Thread.currentThread().interrupt();
+      }
     }
   }
 

@@ -220,8 +220,14 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     File file = new File(local);
     CmrootStatement st = CmrootStatement.current();
     if (!Cmroot.holdsFiles(file.toPath())) {
-      if (st != null && st.stagedFile(local)) {
-        return true; // staged with the rest of its directory by an earlier delete (below)
+      if (st != null) {
+        // Staged with the rest of its directory by an earlier delete (replacedByHive), maybe
+        // on another of Hive's threads right now: its lock is held until they are marked.
+        synchronized (st.replaceLock()) {
+          if (st.stagedFile(local)) {
+            return true;
+          }
+        }
       }
       return super.delete(f, recursive); // missing, or directories only: no data to keep
     }
