@@ -315,6 +315,19 @@ public final class Cmroot {
     return out;
   }
 
+  /** The distinct non-empty partitions `of` gives `files`, in the order first met. */
+  static List<Map<String, String>> partitionsOf(List<String> files,
+      java.util.function.Function<String, Map<String, String>> of) {
+    List<Map<String, String>> parts = new ArrayList<>();
+    for (String f : files) {
+      Map<String, String> kv = of.apply(f);
+      if (!kv.isEmpty() && !parts.contains(kv)) {
+        parts.add(kv);
+      }
+    }
+    return parts;
+  }
+
   /** `paths` as the files of an event: [{"path"}], hashed by the daemon. */
   static List<Map<String, Object>> fileRefs(List<String> paths) {
     List<Map<String, Object>> out = new ArrayList<>();
@@ -553,6 +566,11 @@ public final class Cmroot {
       }
       out.addAll(partitionLocations());
       return out;
+    }
+
+    /** The distinct partitions ({k: v}) `files` belong to, in the order first met. */
+    List<Map<String, String>> partitionsOf(List<String> files) {
+      return Cmroot.partitionsOf(files, f -> partitionOf(f, false));
     }
 
     /** The partition ({k: v}) `path` belongs to, in the table's directory or a custom one. */

@@ -218,15 +218,8 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
   /** The partitions ({k: v}) the files belong to (custom partition locations included). */
   private List<Map<String, String>> partitions(List<String> files, String base) {
     Cmroot.Ctx c = ctx == null || base == null ? null : ctx.appliesTo(base);
-    List<Map<String, String>> parts = new ArrayList<>();
-    for (String p : files) {
-      Map<String, String> kv = c != null ? c.partitionOf(p, false)
-          : Cmroot.partitionOf(p, base, false);
-      if (!kv.isEmpty() && !parts.contains(kv)) {
-        parts.add(kv);
-      }
-    }
-    return parts;
+    return c != null ? c.partitionsOf(files)
+        : Cmroot.partitionsOf(files, p -> Cmroot.partitionOf(p, base, false));
   }
 
   /** Failed open (logged and counted): delete as Spark would have. */

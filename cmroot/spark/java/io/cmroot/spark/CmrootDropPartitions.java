@@ -41,17 +41,12 @@ final class CmrootDropPartitions {
     }
     SessionCatalog catalog = session.sessionState().catalog();
     TableIdentifier id = cmd.tableName();
-    String db = id.database().isDefined() ? id.database().get() : catalog.getCurrentDatabase();
-    TableIdentifier qualified = new TableIdentifier(id.table(), Option.apply(db));
-    CatalogTable table;
-    try {
-      table = catalog.getTableMetadata(qualified);
-    } catch (NoSuchTableException | NoSuchNamespaceException e) {
-      return; // the command itself says so
+    CatalogTable table = managedTable(catalog, id);
+    if (table == null) {
+      return; // the metastore keeps an external table's data; a missing one: the command says so
     }
-    if (table.tableType() != CatalogTableType.MANAGED()) {
-      return; // the metastore keeps an external table's data
-    }
+    TableIdentifier qualified = table.identifier();
+    String db = qualified.database().get();
     String tableLoc = Cmroot.localPath(String.valueOf(table.location()));
     List<String> columns = CollectionConverters.asJava(table.partitionColumnNames());
     boolean purge = cmd.purge() || "true".equalsIgnoreCase(
@@ -80,8 +75,7 @@ final class CmrootDropPartitions {
         }
         paths.addAll(Cmroot.contents(loc));
         parts.add(kv);
-        keys.add(CmrootMetastoreListener.dropKey(table.identifier().database().get(),
-            table.identifier().table(), values));
+        keys.add(CmrootMetastoreListener.dropKey(db, qualified.table(), values));
       }
     }
     if (paths.isEmpty()) {
@@ -93,6 +87,21 @@ final class CmrootDropPartitions {
       keys.forEach(st::markStaged);
       CmrootFaults.afterPrepare("the drop of " + what);
     }
+  }
+
+  /**
+   * The managed table `id` names (qualified by the session's database), or null when there is
+   * none or it is external or a view: then the command itself refuses, or deletes no data.
+   */
+  static CatalogTable managedTable(SessionCatalog catalog, TableIdentifier id) {
+    String db = id.database().isDefined() ? id.database().get() : catalog.getCurrentDatabase();
+    CatalogTable table;
+    try {
+      table = catalog.getTableMetadata(new TableIdentifier(id.table(), Option.apply(db)));
+    } catch (NoSuchTableException | NoSuchNamespaceException e) {
+      return null;
+    }
+    return table.tableType() == CatalogTableType.MANAGED() ? table : null;
   }
 
   /**

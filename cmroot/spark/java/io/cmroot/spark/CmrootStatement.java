@@ -131,14 +131,7 @@ public final class CmrootStatement {
           "the files the statement " + ctx + " moves out of their place")
           .withPartitionLocations(from == null ? List.of() : from.partitionLocations()));
     }
-    List<Map<String, String>> parts = new ArrayList<>();
-    for (String p : from == null ? List.<String>of() : paths) {
-      Map<String, String> kv = from.partitionOf(p, false);
-      if (!kv.isEmpty() && !parts.contains(kv)) {
-        parts.add(kv);
-      }
-    }
-    return tx.prepare(paths, parts, part);
+    return tx.prepare(paths, from == null ? List.of() : from.partitionsOf(paths), part);
   }
 
   /**
@@ -161,13 +154,7 @@ public final class CmrootStatement {
       files = new ArrayList<>(movedIn);
       movedIn.clear();
     }
-    List<Map<String, String>> parts = new ArrayList<>();
-    for (String f : files) {
-      Map<String, String> kv = c.partitionOf(f, false);
-      if (!kv.isEmpty() && !parts.contains(kv)) {
-        parts.add(kv);
-      }
-    }
+    List<Map<String, String>> parts = c.partitionsOf(files);
     Map<String, Object> body = new LinkedHashMap<>();
     body.put("eventType", "INSERT");
     body.put("db", c.db);

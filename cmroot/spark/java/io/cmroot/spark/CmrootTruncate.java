@@ -8,11 +8,8 @@ import java.util.List;
 import java.util.Map;
 import org.apache.spark.sql.SparkSession;
 import org.apache.spark.sql.catalyst.TableIdentifier;
-import org.apache.spark.sql.catalyst.analysis.NoSuchNamespaceException;
-import org.apache.spark.sql.catalyst.analysis.NoSuchTableException;
 import org.apache.spark.sql.catalyst.catalog.CatalogTable;
 import org.apache.spark.sql.catalyst.catalog.CatalogTablePartition;
-import org.apache.spark.sql.catalyst.catalog.CatalogTableType;
 import org.apache.spark.sql.catalyst.catalog.SessionCatalog;
 import org.apache.spark.sql.execution.command.TruncateTableCommand;
 import scala.Option;
@@ -32,17 +29,12 @@ final class CmrootTruncate {
       Cmroot.Settings s) throws IOException {
     SessionCatalog catalog = session.sessionState().catalog();
     TableIdentifier id = cmd.tableName();
-    String db = id.database().isDefined() ? id.database().get() : catalog.getCurrentDatabase();
-    TableIdentifier qualified = new TableIdentifier(id.table(), Option.apply(db));
-    CatalogTable table;
-    try {
-      table = catalog.getTableMetadata(qualified);
-    } catch (NoSuchTableException | NoSuchNamespaceException e) {
-      return; // the command itself says so
+    CatalogTable table = CmrootDropPartitions.managedTable(catalog, id);
+    if (table == null) {
+      return; // the command refuses a missing or external table, or a view
     }
-    if (table.tableType() != CatalogTableType.MANAGED()) {
-      return; // the command refuses an external table or a view
-    }
+    TableIdentifier qualified = table.identifier();
+    String db = qualified.database().get();
     String tableLoc = Cmroot.localPath(String.valueOf(table.location()));
     List<String> columns = CollectionConverters.asJava(table.partitionColumnNames());
     List<String> dirs = new ArrayList<>();
