@@ -303,10 +303,14 @@ class Journal:
         return out
 
     def items_of(self, tx: PendingTx) -> list[Item]:
-        """A journaled transaction's files, as the forward path knew them."""
+        """A journaled transaction's files, as the forward path knew them. Each source is
+        placed under its root by name: the journal recorded it confined and canonical, and
+        every later step reaches it through directory descriptors with no symlink
+        followed, so resolving it again would only cost a realpath() per file (and refuse
+        to put back a file whose parent became a symlink meanwhile)."""
         out = []
         for row in tx.rows:
-            loc = self.warehouse.locate(row.source)
+            loc = self.warehouse.locate(row.source, resolve=False)
             it = Item(row.seq, loc.key, loc.rel, loc.root, row.staged, Method(row.method),
                       row.size or 0, row.checksum)
             it.ident = row.ident

@@ -263,9 +263,9 @@ class Recycler:
         if req.partition_locations:
             req = replace(req, partition_locations=self._partition_dirs(req))
         mode = Mode(req.mode)
-        located = [self.warehouse.locate(p) for p in req.paths]
+        located = self.warehouse.locate_all(req.paths)
         for loc in located:
-            if self.warehouse.protected(loc.key):
+            if not loc.is_file and self.warehouse.protected(loc.key):
                 raise Forbidden(
                     "a warehouse root is never recycled",
                     f"{loc.key} is a warehouse root or contains one: name the tables or files"
@@ -385,6 +385,8 @@ class Recycler:
                 except BaseException:
                     failed.set()
                     raise
+            if not publish:  # their objects are published at the commit
+                self.objects.make_shards_soon(it.checksum or "" for it in chunk)
             if progress:
                 with done_lock:
                     done += len(chunk)

@@ -54,10 +54,18 @@ class Located:
     st: os.stat_result | None = field(default=None, compare=False)
     # True when `st` is the whole answer: None then means no regular file is there.
     statted: bool = field(default=False, compare=False)
+    # Resolved afresh for this request (`locate_all`), not from the one-second cache.
+    fresh: bool = field(default=False, compare=False)
 
     @property
     def local(self) -> bool:
         return self.root.local
+
+    @property
+    def is_file(self) -> bool:
+        """A regular file is there, as resolved afresh for this request: it names no
+        directory, so it holds no root and lists itself only."""
+        return self.fresh and self.st is not None
 
     @property
     def rel(self) -> str:
@@ -86,19 +94,23 @@ class Warehouse:
                 inner_src.outer = (outer_src, outer[1])
         self._real_dirs: dict[str, tuple[float, str]] = {}
 
-    def _realpath(self, path: str) -> tuple[str, os.stat_result | None, bool]:
-        """realpath(), with the parent directory's answer cached for a second: a batch of
-        thousands of files in a few partitions costs one lstat per file, not one per
-        path component. Also returns that lstat when it found a regular file, and whether
-        that lstat settles what is there (it does unless the name is a symlink)."""
+    def _realpath(
+        self, path: str, dirs: dict[str, tuple[float, str]] | None = None
+    ) -> tuple[str, os.stat_result | None, bool]:
+        """realpath(), with the parent directory's answer cached for a second (or, given
+        `dirs`, for as long as that map is kept): a batch of thousands of files in a few
+        partitions costs one lstat per file, not one per path component. Also returns
+        that lstat when it found a regular file, and whether that lstat settles what is
+        there (it does unless the name is a symlink)."""
+        cache = self._real_dirs if dirs is None else dirs
         parent, _, name = path.rpartition("/")
         now = time.monotonic()
-        hit = self._real_dirs.get(parent)
-        if hit is None or now - hit[0] > _REALPATH_TTL:
-            if len(self._real_dirs) > _REALPATH_CACHE:
-                self._real_dirs.clear()
+        hit = cache.get(parent)
+        if hit is None or (dirs is None and now - hit[0] > _REALPATH_TTL):
+            if len(cache) > _REALPATH_CACHE:
+                cache.clear()
             hit = (now, _realpath(parent or "/"))
-            self._real_dirs[parent] = hit
+            cache[parent] = hit
         joined = f"{hit[1].rstrip('/')}/{name}"
         try:
             st = os.lstat(joined)
@@ -108,10 +120,25 @@ class Warehouse:
             return _realpath(joined), None, False
         return joined, st if stat.S_ISREG(st.st_mode) else None, True
 
-    def locate(self, raw: object, resolve: bool = True) -> Located:
+    def locate_all(self, raws: Iterable[object]) -> list[Located]:
+        """locate() the paths of a request that moves files, each parent directory
+        resolved afresh once for the whole batch, not taken from the cache a moment-old
+        lookup filled: what is moved is confined on its path as it is now."""
+        dirs: dict[str, tuple[float, str]] = {}
+        try:
+            return [self.locate(raw, dirs=dirs) for raw in raws]
+        finally:
+            if len(self._real_dirs) + len(dirs) > _REALPATH_CACHE:
+                self._real_dirs.clear()
+            self._real_dirs.update(dirs)  # fresh answers serve later lookups as well
+
+    def locate(
+        self, raw: object, resolve: bool = True, dirs: dict[str, tuple[float, str]] | None = None
+    ) -> Located:
         """Canonicalise and confine one request path (it need not exist). Without
         `resolve`, a local path is placed under its root by name only and marked as having
-        no file there: enough to look up its recycled copies, never to touch the path."""
+        no file there: enough to look up its recycled copies, never to touch the path.
+        `dirs` is `locate_all`'s map of parent directories resolved for its batch."""
         if not isinstance(raw, str) or not raw:
             raise BadRequest("bad path", f"{raw!r}: give an absolute path or URL as a string")
         if "\0" in raw or len(raw) > MAX_PATH:
@@ -135,7 +162,7 @@ class Warehouse:
             if not resolve:
                 return Located(key, root, key, None, True)
             try:
-                real, st, statted = self._realpath(key)
+                real, st, statted = self._realpath(key, dirs)
             except OSError as e:
                 raise PathUnsettled(
                     "path changed while it was looked up",
@@ -147,7 +174,7 @@ class Warehouse:
                     "path escapes the warehouse roots",
                     f"{raw!r} resolves through a symlink to {real!r}",
                 )
-            return Located(key, root, key, st, statted)
+            return Located(key, root, key, st, statted, dirs is not None)
         scheme, _, rest = raw.partition("://")
         key = f"{scheme}://{_normalise('/' + rest, raw)[1:]}"
         for root in self.roots:
@@ -177,6 +204,15 @@ class Warehouse:
         files: dict[str, tuple[Root, SourceFile]] = {}
         dirs: list[Located] = []
         for loc in located:
+            if loc.is_file:
+                # Nothing to resolve again here: staging reaches the file through
+                # directory descriptors with no symlink followed, and refuses whatever is
+                # not that regular file by then (a batch of thousands of files must not
+                # cost a realpath() each).
+                assert loc.st is not None
+                files.setdefault(loc.key, (loc.root, SourceFile(loc.key, loc.rel,
+                                                                loc.st.st_size)))
+                continue
             self.confirm(loc)
             try:
                 found, is_dir = loc.root.source.expand(loc.rel, loc.key)

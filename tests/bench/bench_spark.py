@@ -170,6 +170,11 @@ def worker(args: argparse.Namespace) -> None:
     # Hive-format parquet tables stay Hive tables (InsertIntoHiveTable writes them); the
     # other rows' tables are data source tables, which this does not touch.
     builder = builder.config("spark.sql.hive.convertMetastoreParquet", "false")
+    if args.profile:  # the driver under Java Flight Recorder, both sides alike
+        opts = builder._options.get("spark.driver.extraJavaOptions", "")
+        jfr = Path(args.profile) / f"{args.side}.jfr"
+        builder = builder.config("spark.driver.extraJavaOptions",
+                                 f"{opts} -XX:StartFlightRecording=filename={jfr},settings=profile")
     if args.side == "with":
         from cmroot.spark import configure
 
