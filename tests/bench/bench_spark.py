@@ -476,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     ops = [o.strip() for o in args.only.split(",")] if args.only else list(OPS)
     if set(ops) - set(OPS):
         p.error(f"--only: use some of {','.join(OPS)}")
+    if reps < 1:
+        p.error("--reps: give at least 1")
     profile = Path(args.profile).resolve() if args.profile else None
     if profile:
         profile.mkdir(parents=True, exist_ok=True)
@@ -485,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     from cmroot.vocab import DESTRUCTIVE
 
     load = {"start": os.getloadavg()}
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)  # as the other benchmarks do
     base = Path(tempfile.mkdtemp(prefix="cmroot-bench-spark-", dir=args.dir))
     daemon = proc = None
     try:

@@ -339,11 +339,20 @@ public final class Cmroot {
 
   /** Is `path` under a warehouse root, and not a temporary path? */
   public static boolean protectedPath(String path, Settings s) {
-    if (path == null || !s.enabled || isTemporary(path)) {
+    return path != null && !isTemporary(path) && protectedLocation(path, s);
+  }
+
+  /**
+   * Is this location of a table or partition, as the catalog records it, under a root? Its
+   * name does not matter: a directory named like a job's temporary output
+   * ({@code _temporary/7}) that someone registered as a partition holds that partition's data.
+   */
+  static boolean protectedLocation(String location, Settings s) {
+    if (location == null || !s.enabled) {
       return false;
     }
     for (String root : s.roots) {
-      if (under(path, root)) {
+      if (under(location, root)) {
         return true;
       }
     }
@@ -462,6 +471,19 @@ public final class Cmroot {
   }
 
   /** Does the tree at `p` hold at least one file (or symlink)? */
+  /** `p` if it is a symlink, else the first symlink under it (not followed); else null. */
+  static String firstSymlink(Path p) throws IOException {
+    if (Files.isSymbolicLink(p)) {
+      return p.toString();
+    }
+    if (!Files.isDirectory(p, java.nio.file.LinkOption.NOFOLLOW_LINKS)) {
+      return null;
+    }
+    try (Stream<Path> s = Files.walk(p)) {
+      return s.filter(Files::isSymbolicLink).map(Path::toString).findFirst().orElse(null);
+    }
+  }
+
   static boolean holdsFiles(Path p) throws IOException {
     if (!Files.isDirectory(p, java.nio.file.LinkOption.NOFOLLOW_LINKS)) {
       return Files.exists(p, java.nio.file.LinkOption.NOFOLLOW_LINKS);

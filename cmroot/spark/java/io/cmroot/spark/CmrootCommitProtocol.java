@@ -56,6 +56,9 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
   // What the deletes Spark asked for would have removed, when it asked (sorted, no duplicates).
   private final transient Set<String> snapshot = new TreeSet<>();
   private final transient List<String> deletedDirs = new ArrayList<>();
+  // Outside a statement: the recycle of a file the overwrite replaced by a directory,
+  // prepared when Spark deleted it (see replaceFile).
+  private transient CmrootTransaction early;
 
   public CmrootCommitProtocol(String jobId, String path, boolean dynamicPartitionOverwrite) {
     super(jobId, path, dynamicPartitionOverwrite);
@@ -78,12 +81,36 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
       if (local == null || !recursive || !Cmroot.protectedPath(local, s)) {
         return fs.delete(path, recursive);
       }
+      if (s.enabled && Files.isRegularFile(Paths.get(local), LinkOption.NOFOLLOW_LINKS)) {
+        return replaceFile(fs, path, local, s);
+      }
       snapshot.addAll(Cmroot.filesUnder(local)); // recycled at commit, once the new data is in
     } catch (IOException e) {
       throw new UncheckedIOException(e);
     }
     deletedDirs.add(local);
     return true;
+  }
+
+  /**
+   * The overwrite of a path that is a file: the job writes a directory there, so the file
+   * must leave now, not at job commit. It is staged (prepared) now and committed with the
+   * rest; if the job or the statement fails, it comes back.
+   */
+  private boolean replaceFile(FileSystem fs, Path path, String local, Cmroot.Settings s)
+      throws IOException {
+    CmrootStatement st = CmrootStatement.current();
+    String base = Cmroot.localPath(outputPath);
+    if (st == null) {
+      early = transaction(s, base);
+      if (!early.prepare(List.of(local), partitions(List.of(local), base),
+          "the overwrite of " + outputPath)) {
+        early = null;
+        return fs.delete(path, false); // failed open
+      }
+      return true;
+    }
+    return stage(st, null, List.of(local), base) || fs.delete(path, false);
   }
 
   @Override
@@ -110,11 +137,12 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     // whole statement succeeded (a failure after the job commit, such as the metastore
     // refusing the new partitions, puts the old files back); outside one it is its own.
     CmrootStatement st = CmrootStatement.current();
-    CmrootTransaction own = null;
+    CmrootTransaction own = early;
+    early = null;
     boolean staging = !list.isEmpty() && s.enabled;
     try {
       if (staging) {
-        own = st == null ? transaction(s, base) : null;
+        own = st == null ? (own != null ? own : transaction(s, base)) : null;
         if (!stage(st, own, list, base)) {
           deleteFailedOpen(jobContext, list);
           own = null;
@@ -267,6 +295,10 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     snapshot.clear(); // the old data was never touched
     deletedDirs.clear();
     super.abortJob(jobContext);
+    if (early != null) { // a file replaced by the output: back in its place
+      early.abort("the job writing " + outputPath + " failed");
+      early = null;
+    }
   }
 
   /** The partition directories (relative, "k=v/...") the tasks of this job wrote. */

@@ -3,6 +3,7 @@ package io.cmroot.spark;
 import java.io.File;
 import java.io.IOException;
 import java.math.BigDecimal;
+import java.math.RoundingMode;
 import java.util.ArrayList;
 import java.util.LinkedHashMap;
 import java.util.List;
@@ -19,7 +20,13 @@ import org.apache.spark.sql.catalyst.catalog.SessionCatalog;
 import org.apache.spark.sql.execution.command.AlterTableDropPartitionCommand;
 import org.apache.spark.sql.types.DataType;
 import org.apache.spark.sql.types.DataTypes;
-import org.apache.spark.sql.types.NumericType;
+import org.apache.spark.sql.types.ByteType;
+import org.apache.spark.sql.types.DecimalType;
+import org.apache.spark.sql.types.DoubleType;
+import org.apache.spark.sql.types.FloatType;
+import org.apache.spark.sql.types.IntegerType;
+import org.apache.spark.sql.types.LongType;
+import org.apache.spark.sql.types.ShortType;
 import org.apache.spark.sql.types.StructField;
 import scala.Option;
 import scala.jdk.javaapi.CollectionConverters;
@@ -63,7 +70,7 @@ final class CmrootDropPartitions {
       for (CatalogTablePartition p : matching(catalog, table, qualified, normalized)) {
         String loc = Cmroot.localPath(String.valueOf(p.location()));
         Cmroot.refuseRootRemoval(loc, s, "the drop of partition");
-        if (!Cmroot.protectedPath(loc, s) || !Cmroot.holdsFiles(new File(loc).toPath())) {
+        if (!Cmroot.protectedLocation(loc, s) || !Cmroot.holdsFiles(new File(loc).toPath())) {
           continue;
         }
         Map<String, String> kv = new LinkedHashMap<>();
@@ -83,7 +90,7 @@ final class CmrootDropPartitions {
     }
     String what = "partitions " + parts + " of " + db + "." + id.table();
     if (st.prepare(paths, "DROP_PARTITION", db, id.table(), purge, parts,
-        Cmroot.protectedPath(tableLoc, s) ? tableLoc : null, what)) {
+        Cmroot.protectedLocation(tableLoc, s) ? tableLoc : null, what)) {
       keys.forEach(st::markStaged);
       CmrootFaults.afterPrepare("the drop of " + what);
     }
@@ -106,10 +113,13 @@ final class CmrootDropPartitions {
 
   /**
    * The partitions `spec` names, as the drop will find them: the metastore's match of the
-   * spec as written, else the spec's values compared as the columns' numbers (Spark drops
-   * PARTITION (p='03') of an INT column as p=3, which a match of the text "03" misses; a
-   * partition missed here would be staged only when the metastore reaches it, after earlier
-   * ones had already left the catalog).
+   * spec as written, else, for a full spec, its match of the values as Spark reads them for
+   * the columns' types (PARTITION (p='03') of an INT column drops p=3, which a match of the
+   * text "03" misses; p=3 does not drop a partition stored as "03", which a comparison of
+   * numbers would take). A partition missed here would be staged only when the metastore
+   * reaches it, after earlier ones had already left the catalog; one matched here that the
+   * drop does not remove would lose its files. A partial spec is matched as written only, as
+   * Spark matches it.
    */
   static List<CatalogTablePartition> matching(SessionCatalog catalog,
       CatalogTable table, TableIdentifier qualified,
@@ -117,19 +127,47 @@ final class CmrootDropPartitions {
     List<CatalogTablePartition> exact = CollectionConverters.asJava(
         catalog.listPartitions(qualified, Option.apply(spec)));
     if (!exact.isEmpty() || spec.size() < table.partitionColumnNames().size()) {
-      return exact; // a partial spec Spark matches as written: no match is a no-op there too
+      return exact;
     }
-    List<CatalogTablePartition> out = new ArrayList<>();
-    for (CatalogTablePartition p : CollectionConverters.asJava(
-        catalog.listPartitions(qualified, Option.empty()))) {
-      boolean all = true;
-      for (scala.Tuple2<String, String> kv : CollectionConverters.asJava(spec.toList())) {
-        String have = p.spec().getOrElse(kv._1(), () -> null);
-        all &= have != null && sameValue(kv._2(), have, type(table, kv._1()));
+    scala.collection.immutable.Map<String, String> typed = typed(table, spec);
+    return typed == null || typed.equals(spec) ? exact
+        : CollectionConverters.asJava(catalog.listPartitions(qualified, Option.apply(typed)));
+  }
+
+  /**
+   * `spec` with each value spelled as Spark spells the column type's value it casts the text
+   * to ("03" of an INT is "3", "1.50" of a DOUBLE "1.5"); null values stay null. Null when
+   * a value is no value of its type: then only the spec as written can match.
+   */
+  @SuppressWarnings("unchecked") // Map.updated's Scala signature reaches Java as a raw Map
+  private static scala.collection.immutable.Map<String, String> typed(CatalogTable table,
+      scala.collection.immutable.Map<String, String> spec) {
+    scala.collection.immutable.Map<String, String> out = spec;
+    for (scala.Tuple2<String, String> kv : CollectionConverters.asJava(spec.toList())) {
+      String v = kv._2();
+      if (v == null) {
+        continue;
       }
-      if (all) {
-        out.add(p);
+      DataType t = type(table, kv._1());
+      String text;
+      try {
+        if (t instanceof ByteType || t instanceof ShortType || t instanceof IntegerType
+            || t instanceof LongType) {
+          text = new BigDecimal(v.trim()).toBigIntegerExact().toString();
+        } else if (t instanceof DoubleType) {
+          text = Double.toString(Double.parseDouble(v.trim()));
+        } else if (t instanceof FloatType) {
+          text = Float.toString(Float.parseFloat(v.trim()));
+        } else if (t instanceof DecimalType) {
+          text = new BigDecimal(v.trim())
+              .setScale(((DecimalType) t).scale(), RoundingMode.HALF_UP).toPlainString();
+        } else {
+          text = v;
+        }
+      } catch (NumberFormatException | ArithmeticException e) {
+        return null;
       }
+      out = out.updated(kv._1(), text);
     }
     return out;
   }
@@ -141,18 +179,6 @@ final class CmrootDropPartitions {
       }
     }
     return DataTypes.StringType;
-  }
-
-  /** Do `a` and `b` name the same value of a column of type `t`? */
-  private static boolean sameValue(String a, String b, DataType t) {
-    if (t instanceof NumericType) {
-      try {
-        return new BigDecimal(a.trim()).compareTo(new BigDecimal(b.trim())) == 0;
-      } catch (NumberFormatException e) {
-        return false;
-      }
-    }
-    return a.equals(b);
   }
 
   /** `spec` with its keys spelled as the table's partition columns; null if one is not. */

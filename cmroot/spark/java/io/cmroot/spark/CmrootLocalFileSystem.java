@@ -4,6 +4,7 @@ import java.io.File;
 import java.io.IOException;
 import java.nio.file.Files;
 import java.nio.file.LinkOption;
+import java.util.ArrayList;
 import java.util.Arrays;
 import java.util.EnumSet;
 import java.util.List;
@@ -62,7 +63,7 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     Cmroot.Ctx into = local == null ? null : st.ctx.appliesTo(local);
     if (into != null && into.table != null && !Cmroot.isTemporary(local)
         && !Cmroot.isHiddenName(new File(local).getName())) {
-      st.movedIn(local);
+      st.movedIn(null, local, List.of(local));
     }
   }
 
@@ -110,16 +111,27 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     if (intoTrash(src, dst)) {
       return delete(src, true, false);
     }
+    if (pathToFile(src).getAbsoluteFile().toPath().normalize()
+        .equals(pathToFile(dst).getAbsoluteFile().toPath().normalize())) {
+      return super.rename(src, dst); // onto itself (a LOAD of a table's own file): a no-op
+    }
+    Cmroot.Settings s = Cmroot.settings(getConf());
+    String target = s.enabled ? Cmroot.localPath(pathToFile(dst).getPath()) : null;
+    if (Cmroot.protectedPath(target, s)) {
+      refuseLate("move into", target);
+    }
     recycleReplaced(dst);
     CmrootStatement st = CmrootStatement.current();
-    Cmroot.Settings s = Cmroot.settings(getConf());
     String from = st == null || !s.enabled ? null : Cmroot.localPath(pathToFile(src).getPath());
     String to = from == null ? null : Cmroot.localPath(pathToFile(dst).getPath());
     Cmroot.Ctx into = to == null ? null : st.ctx.appliesTo(to);
     java.nio.file.Path source = from == null ? null : new File(from).toPath();
     boolean link = source != null && Files.isSymbolicLink(source);
+    // LOAD DATA moves what its path holds one entry at a time: files, and directories whole.
+    boolean dir = source != null && st.ctx.loading && !link
+        && Files.isDirectory(source, LinkOption.NOFOLLOW_LINKS);
     if (into == null || into.table == null || Cmroot.isTemporary(from)
-        || !(link || Files.isRegularFile(source, LinkOption.NOFOLLOW_LINKS))) {
+        || !(link || dir || Files.isRegularFile(source, LinkOption.NOFOLLOW_LINKS))) {
       return super.rename(src, dst); // a job's or Hive's staging output, or a directory
     }
     if (link) {
@@ -128,19 +140,35 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
           + " the table's new data could not be recorded for replication. Nothing was moved."
           + " Load the file itself.", null);
     }
-    // A data file leaving its place under the roots (another table's, or another partition
-    // of this one): its bytes are kept there first.
-    if (Cmroot.protectedPath(from, s) && !st.prepareCopy(List.of(from),
+    List<String> files = Cmroot.filesUnder(from);
+    // Data files leaving their place under the roots (another table's, or another partition
+    // of this one): their bytes are kept there first.
+    if (Cmroot.protectedPath(from, s) && !files.isEmpty() && !st.prepareCopy(files,
         "the move of " + from + " into " + into.table, into.appliesTo(from))) {
       return super.rename(src, dst); // failed open
     }
+    String landed = Files.isDirectory(new File(to).toPath(), LinkOption.NOFOLLOW_LINKS)
+        ? new File(to, new File(from).getName()).getPath() : to;
     boolean moved = super.rename(src, dst);
     if (moved) {
-      java.nio.file.Path landed = new File(to).toPath();
-      st.movedIn(Files.isDirectory(landed) ? new File(to, new File(from).getName()).getPath()
-          : to);
+      List<String> now = new ArrayList<>();
+      for (String f : files) {
+        if (!Cmroot.isHiddenName(new File(f).getName())) {
+          now.add(landed + f.substring(from.length()));
+        }
+      }
+      st.movedIn(from, landed, now);
     }
     return moved;
+  }
+
+  /** Refuse a write of a failed statement that reaches here after it ended (see failedHere). */
+  private static void refuseLate(String what, String path) throws Cmroot.RecycleException {
+    String failed = CmrootStatement.failedHere();
+    if (failed != null) {
+      throw new Cmroot.RecycleException("cmroot refused the " + what + " " + path + ": the"
+          + " statement it belongs to failed and was rolled back (" + failed + ")", null);
+    }
   }
 
   /** The rename Hadoop's Trash uses (Rename.TO_TRASH), and FileContext's with OVERWRITE. */
@@ -217,19 +245,26 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     if (!Cmroot.protectedPath(local, s)) {
       return super.delete(f, recursive);
     }
+    refuseLate("delete", local);
     File file = new File(local);
     CmrootStatement st = CmrootStatement.current();
     if (!Cmroot.holdsFiles(file.toPath())) {
-      if (st != null) {
-        // Staged with the rest of its directory by an earlier delete (replacedByHive), maybe
-        // on another of Hive's threads right now: its lock is held until they are marked.
-        synchronized (st.replaceLock()) {
-          if (st.stagedFile(local)) {
-            return true;
-          }
+      if (st == null) {
+        return super.delete(f, recursive); // missing, or directories only: no data to keep
+      }
+      // Staged with the rest of its directory by an earlier delete (replacedByHive), maybe
+      // on another of Hive's threads right now: its lock is held until they are marked. The
+      // lock also keeps a rollback of the statement (which puts staged files back) from
+      // running between this look and the delete.
+      synchronized (st.replaceLock()) {
+        if (st.stagedFile(local)) {
+          return true;
+        }
+        if (!Cmroot.holdsFiles(file.toPath())) {
+          return super.delete(f, recursive);
         }
       }
-      return super.delete(f, recursive); // missing, or directories only: no data to keep
+      // Files came back meanwhile (the statement was rolled back): they are data to keep.
     }
     if (file.isDirectory() && !recursive) {
       return super.delete(f, false); // a non-empty directory: Hadoop refuses, as it should

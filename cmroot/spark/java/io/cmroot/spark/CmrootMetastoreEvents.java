@@ -65,7 +65,7 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     Database d = e.getDatabase();
     Map<String, Object> body = event("CREATE_DATABASE", d.getName(), null);
     String loc = Cmroot.localPath(d.getLocationUri());
-    if (Cmroot.protectedPath(loc, s)) {
+    if (Cmroot.protectedLocation(loc, s)) {
       body.put("location", loc);
     }
     record(body, s, "database " + d.getName());
@@ -86,7 +86,7 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     Table t = e.getTable();
     Cmroot.Settings s = Cmroot.settings(getConf());
     String loc = location(t);
-    if (!e.getStatus() || !Cmroot.protectedPath(loc, s)) {
+    if (!e.getStatus() || !Cmroot.protectedLocation(loc, s)) {
       return;
     }
     CmrootStatement st = CmrootStatement.current();
@@ -111,9 +111,9 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     Table t = e.getNewTable();
     Cmroot.Settings s = Cmroot.settings(getConf());
     String loc = location(t);
-    boolean inside = Cmroot.protectedPath(loc, s);
+    boolean inside = Cmroot.protectedLocation(loc, s);
     // A table moved out of the roots is still news to a replica that holds it.
-    if (!e.getStatus() || !(inside || Cmroot.protectedPath(location(old), s))
+    if (!e.getStatus() || !(inside || Cmroot.protectedLocation(location(old), s))
         || !replicaVisible(old, t)) {
       return;
     }
@@ -144,7 +144,7 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     Partition after = e.getNewPartition();
     Cmroot.Settings s = Cmroot.settings(getConf());
     String loc = location(t);
-    if (!e.getStatus() || !Cmroot.protectedPath(loc, s) || before == null || after == null) {
+    if (!e.getStatus() || !Cmroot.protectedLocation(loc, s) || before == null || after == null) {
       return;
     }
     String was = partitionLocation(before);
@@ -181,7 +181,7 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
 
   /** The data files under `dir`, if it is under the warehouse roots; else none. */
   private static List<String> files(String dir, Cmroot.Settings s) {
-    return Cmroot.protectedPath(dir, s) ? Cmroot.dataFiles(new File(dir), true, null)
+    return Cmroot.protectedLocation(dir, s) ? Cmroot.dataFiles(new File(dir), true, null)
         : List.of();
   }
 
@@ -194,7 +194,7 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     Table t = e.getTable();
     Cmroot.Settings s = Cmroot.settings(getConf());
     String loc = location(t);
-    if (!e.getStatus() || !Cmroot.protectedPath(loc, s)) {
+    if (!e.getStatus() || !Cmroot.protectedLocation(loc, s)) {
       return;
     }
     List<Map<String, String>> parts = new ArrayList<>();
@@ -204,7 +204,7 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
       Partition p = it.next();
       parts.add(CmrootMetastoreListener.spec(t, p));
       String dir = p.getSd() == null ? null : Cmroot.localPath(p.getSd().getLocation());
-      if (Cmroot.protectedPath(dir, s)) {
+      if (Cmroot.protectedLocation(dir, s)) {
         files.addAll(Cmroot.dataFiles(new File(dir), true, null));
       }
     }
@@ -225,7 +225,7 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
         "the drop of table " + name(t));
     Cmroot.Settings s = Cmroot.settings(getConf());
     String loc = location(t);
-    if (!e.getStatus() || recycled || !Cmroot.protectedPath(loc, s)) {
+    if (!e.getStatus() || recycled || !Cmroot.protectedLocation(loc, s)) {
       return;
     }
     Map<String, Object> body = event("DROP_TABLE", t.getDbName(), t.getTableName());
@@ -247,7 +247,7 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     }
     Cmroot.Settings s = Cmroot.settings(getConf());
     String loc = location(t);
-    if (!e.getStatus() || parts.isEmpty() || !Cmroot.protectedPath(loc, s)) {
+    if (!e.getStatus() || parts.isEmpty() || !Cmroot.protectedLocation(loc, s)) {
       return;
     }
     Map<String, Object> body = event("DROP_PARTITION", t.getDbName(), t.getTableName());

@@ -126,7 +126,7 @@ public class CmrootMetastoreListener extends MetaStorePreEventListener {
     String loc = Cmroot.localPath(t.getSd().getLocation());
     Cmroot.refuseRootRemoval(loc, s, "DROP TABLE " + t.getDbName() + "." + t.getTableName()
         + " located at");
-    if (!Cmroot.protectedPath(loc, s) || !Cmroot.holdsFiles(new File(loc).toPath())) {
+    if (!Cmroot.protectedLocation(loc, s) || !Cmroot.holdsFiles(new File(loc).toPath())) {
       return;
     }
     if (s.debug) {
@@ -144,7 +144,7 @@ public class CmrootMetastoreListener extends MetaStorePreEventListener {
     Cmroot.Settings s = Cmroot.settings(getConf());
     String loc = Cmroot.localPath(p.getSd().getLocation());
     Cmroot.refuseRootRemoval(loc, s, "the drop of partition");
-    if (!Cmroot.protectedPath(loc, s) || !Cmroot.holdsFiles(new File(loc).toPath())) {
+    if (!Cmroot.protectedLocation(loc, s) || !Cmroot.holdsFiles(new File(loc).toPath())) {
       return; // nothing to keep, or already staged by the statement (CmrootDropPartitions)
     }
     Map<String, String> kv = spec(t, p);
@@ -156,7 +156,7 @@ public class CmrootMetastoreListener extends MetaStorePreEventListener {
   private void stage(Cmroot.Settings s, Table t, List<String> values,
       List<Map<String, String>> parts, String dir, String what, String op) throws IOException {
     String tableLoc = t.getSd() == null ? null : Cmroot.localPath(t.getSd().getLocation());
-    String location = Cmroot.protectedPath(tableLoc, s) ? tableLoc : null;
+    String location = Cmroot.protectedLocation(tableLoc, s) ? tableLoc : null;
     String key = dropKey(t, values);
     CmrootStatement st = CmrootStatement.current();
     if (st != null) {

@@ -52,6 +52,8 @@ public final class CmrootStatement {
   private final Map<String, String> renamed = new ConcurrentHashMap<>();
   // Data files the statement renamed into its table from elsewhere (see movedIn).
   private final List<String> movedIn = new ArrayList<>();
+  // Their renames ({from, to}), latest first: undone if the statement fails.
+  private final List<String[]> moves = new ArrayList<>();
   // Files staged ahead of their own delete (CmrootLocalFileSystem: a directory Hive replaces
   // file by file): their deletes find them gone and succeed.
   private final Set<String> stagedFiles = ConcurrentHashMap.newKeySet();
@@ -79,6 +81,17 @@ public final class CmrootStatement {
     return st != null && st.open ? st : null;
   }
 
+  /**
+   * Why the statement this thread worked for failed, if it did and has ended; else null.
+   * Hive cancels a failed load's other threads by interrupting them, and they may still be
+   * deleting or moving files after the statement ended: those writes belong to a statement
+   * that was rolled back, and must not run outside it, as if on their own.
+   */
+  static String failedHere() {
+    CmrootStatement st = CURRENT.get();
+    return st == null || st.open ? null : st.unit.failure;
+  }
+
   /** The context of the current statement, if `path` belongs to its table; else null. */
   static Cmroot.Ctx contextFor(String path) {
     CmrootStatement st = current();
@@ -104,7 +117,28 @@ public final class CmrootStatement {
                   && String.valueOf(db).equalsIgnoreCase(String.valueOf(ctx.db))
                   ? ctx.partitionLocations() : List.of()));
     }
-    return tx.prepare(paths, partitions, part);
+    return u.prepareIn(tx, paths, partitions, part);
+  }
+
+  /**
+   * One part of the statement, under the replace lock: a part the daemon refuses rolls the
+   * whole transaction back there and then, and a delete on another of Hive's threads that
+   * looks at a directory (see CmrootLocalFileSystem) must see it before or after that, never
+   * in between. After a refusal every later part is refused at once.
+   */
+  private boolean prepareIn(CmrootTransaction tx, List<String> paths,
+      List<Map<String, String>> partitions, String part) throws Cmroot.RecycleException {
+    synchronized (stagedFiles) {
+      if (failure != null) {
+        throw new Cmroot.RecycleException("cmroot: " + failure, null);
+      }
+      try {
+        return tx.prepare(paths, partitions, part);
+      } catch (Cmroot.RecycleException e) {
+        failure = e.getMessage();
+        throw e;
+      }
+    }
   }
 
   /**
@@ -131,20 +165,54 @@ public final class CmrootStatement {
           "the files the statement " + ctx + " moves out of their place")
           .withPartitionLocations(from == null ? List.of() : from.partitionLocations()));
     }
-    return tx.prepare(paths, from == null ? List.of() : from.partitionsOf(paths), part);
+    return u.prepareIn(tx, paths, from == null ? List.of() : from.partitionsOf(paths), part);
   }
 
   /**
-   * A data file this statement moved into its table by a rename (LOAD DATA INPATH): all of
-   * them are recorded as one INSERT once the statement committed.
+   * Data files this statement moved into its table by renaming `from` to `to` (LOAD DATA
+   * INPATH: a file, or a directory of them): all of them are recorded as one INSERT once the
+   * statement committed. If it fails, `to` goes back to `from` (Hive moves a load's files one
+   * at a time: a later one refused must not leave the earlier ones in the table); one the
+   * statement wrote itself (`from` null: LOAD DATA LOCAL's copy) is removed.
    */
-  void movedIn(String path) {
+  void movedIn(String from, String to, List<String> files) {
     CmrootStatement u = unit;
     synchronized (u.movedIn) {
       if (u.movedIn.isEmpty()) {
         afterCommit(() -> u.recordMovedIn(ctx));
       }
-      u.movedIn.add(path);
+      u.movedIn.addAll(files);
+      u.moves.add(0, new String[] {from, to}); // undone latest first
+    }
+  }
+
+  /** Put what the statement moved in back where it came from (its failure; logged). */
+  private void moveBack() {
+    List<String[]> all;
+    synchronized (movedIn) {
+      all = new ArrayList<>(moves);
+      moves.clear();
+      movedIn.clear();
+    }
+    for (String[] m : all) {
+      java.nio.file.Path to = java.nio.file.Paths.get(m[1]);
+      try {
+        if (m[0] == null) { // a copy of a file left where it was
+          for (String f : Cmroot.withChecksumSibling(m[1])) {
+            java.nio.file.Files.deleteIfExists(java.nio.file.Paths.get(f));
+          }
+          continue;
+        }
+        java.nio.file.Path from = java.nio.file.Paths.get(m[0]);
+        if (java.nio.file.Files.exists(to, java.nio.file.LinkOption.NOFOLLOW_LINKS)
+            && !java.nio.file.Files.exists(from, java.nio.file.LinkOption.NOFOLLOW_LINKS)) {
+          java.nio.file.Files.createDirectories(from.getParent());
+          java.nio.file.Files.move(to, from, java.nio.file.StandardCopyOption.ATOMIC_MOVE);
+        }
+      } catch (java.io.IOException | RuntimeException e) {
+        Cmroot.LOG.error("cmroot: the statement failed, and {} it moved from {} could not go "
+            + "back: {}", m[1], m[0], e.toString());
+      }
     }
   }
 
@@ -342,10 +410,16 @@ public final class CmrootStatement {
     synchronized (u.txs) {
       all = new ArrayList<>(u.txs.entrySet());
     }
-    for (Map.Entry<String, CmrootTransaction> tx : all) {
-      tx.getValue().abort(why);
+    synchronized (u.stagedFiles) { // see prepareIn
+      if (u.failure == null) {
+        u.failure = why;
+      }
+      for (Map.Entry<String, CmrootTransaction> tx : all) {
+        tx.getValue().abort(why);
+      }
     }
     u.undo(all, null);
+    u.moveBack();
     u.recordAfterFailure();
   }
 

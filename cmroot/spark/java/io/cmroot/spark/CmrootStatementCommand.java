@@ -8,6 +8,7 @@ import org.apache.spark.sql.catalyst.plans.logical.LogicalPlan;
 import org.apache.spark.sql.catalyst.trees.LeafLike;
 import org.apache.spark.sql.execution.command.AlterTableDropPartitionCommand;
 import org.apache.spark.sql.execution.command.LeafRunnableCommand;
+import org.apache.spark.sql.execution.command.LoadDataCommand;
 import org.apache.spark.sql.execution.command.RunnableCommand;
 import org.apache.spark.sql.execution.command.TruncateTableCommand;
 import scala.Enumeration;
@@ -58,6 +59,8 @@ public final class CmrootStatementCommand extends LogicalPlan implements LeafRun
           CmrootDropPartitions.stage(session, (AlterTableDropPartitionCommand) inner, st, s);
         } else if (inner instanceof TruncateTableCommand) {
           CmrootTruncate.stage(session, (TruncateTableCommand) inner, st, s);
+        } else if (inner instanceof LoadDataCommand && s.enabled) {
+          refuseSymlinks((LoadDataCommand) inner, session);
         }
         rows = org.apache.spark.sql.classic.Dataset$.MODULE$
             .ofRows((org.apache.spark.sql.classic.SparkSession) session, inner)
@@ -74,6 +77,34 @@ public final class CmrootStatementCommand extends LogicalPlan implements LeafRun
       return CollectionConverters.asScala(rows).toList();
     } finally {
       st.close();
+    }
+  }
+
+  /**
+   * Refuse a LOAD DATA whose path is, or holds, a symlink, before anything moves: Hive moves
+   * what the path holds one entry at a time, and cmroot, which never follows a symlink,
+   * would refuse that one midway.
+   */
+  private static void refuseSymlinks(LoadDataCommand c, SparkSession session)
+      throws java.io.IOException {
+    org.apache.hadoop.fs.Path p = new org.apache.hadoop.fs.Path(c.path());
+    org.apache.hadoop.fs.FileSystem fs = c.isLocal()
+        ? org.apache.hadoop.fs.FileSystem.getLocal(session.sessionState().newHadoopConf())
+        : p.getFileSystem(session.sessionState().newHadoopConf());
+    if (!(fs instanceof CmrootLocalFileSystem)) {
+      return;
+    }
+    org.apache.hadoop.fs.FileStatus[] matched = fs.globStatus(fs.makeQualified(p));
+    for (org.apache.hadoop.fs.FileStatus m : matched == null
+        ? new org.apache.hadoop.fs.FileStatus[0] : matched) {
+      String local = Cmroot.localPath(m.getPath().toUri().getPath());
+      String link = local == null ? null : Cmroot.firstSymlink(java.nio.file.Paths.get(local));
+      if (link != null) {
+        throw new Cmroot.RecycleException("cmroot refuses to move " + link + " into "
+            + c.table().unquotedString() + " (LOAD DATA INPATH '" + c.path() + "'): it is a"
+            + " symlink, which cmroot never follows, so the table's new data could not be"
+            + " recorded for replication. Nothing was moved. Load the files themselves.", null);
+      }
     }
   }
 

@@ -71,7 +71,7 @@ final class CmrootTruncate {
         continue;
       }
       Cmroot.refuseRootRemoval(dir, s, "TRUNCATE TABLE " + db + "." + id.table() + " of");
-      if (!Cmroot.protectedPath(dir, s)) {
+      if (!Cmroot.protectedLocation(dir, s)) {
         continue;
       }
       List<String> in = Cmroot.filesUnder(dir);
@@ -85,7 +85,7 @@ final class CmrootTruncate {
     }
     String what = "TRUNCATE TABLE " + db + "." + id.table();
     if (st.prepare(files, "TRUNCATE", db, id.table(), false, emptied,
-        Cmroot.protectedPath(tableLoc, s) ? tableLoc : null, what)) {
+        Cmroot.protectedLocation(tableLoc, s) ? tableLoc : null, what)) {
       CmrootFaults.afterPrepare(what);
     }
   }
