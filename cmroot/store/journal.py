@@ -310,7 +310,7 @@ class Journal:
         to put back a file whose parent became a symlink meanwhile)."""
         out = []
         for row in tx.rows:
-            loc = self.warehouse.locate(row.source, resolve=False)
+            loc = self.warehouse.place(row.source)
             it = Item(row.seq, loc.key, loc.rel, loc.root, row.staged, Method(row.method),
                       row.size or 0, row.checksum)
             it.ident = row.ident

@@ -527,7 +527,7 @@ class Recycler:
         journal recorded them confined and canonical."""
         statement = _Statement()
         for tx in self.index.pending(txid):
-            located = ((r.seq, self.warehouse.locate(r.source, resolve=False)) for r in tx.rows)
+            located = ((r.seq, self.warehouse.place(r.source)) for r in tx.rows)
             statement.add(
                 RecycleRequest.from_json(tx.request),
                 ((seq, loc.root, loc.rel, loc.key) for seq, loc in located),

@@ -184,6 +184,15 @@ class Warehouse:
             "path outside the warehouse roots", f"{raw!r} is not under {self._names()}"
         )
 
+    def place(self, key: str) -> Located:
+        """A key this store recorded (confined and canonical when it was located), placed
+        under its root by name: what `locate(key, resolve=False)` answers, without checking
+        its spelling again, for the thousands of files of a journaled transaction."""
+        if key.startswith("/"):
+            root = self._local_root(key, key)
+            return Located(key, root, key, None, True)
+        return self.locate(key, resolve=False)
+
     def _local_root(self, key: str, raw: str) -> Root:
         for root in self.roots:
             if root.local and _under(key, root.url):
