@@ -247,6 +247,11 @@ class Warehouse:
             for r in self.roots
         )
 
+    def names_root(self, key: str) -> bool:
+        """Is `key`, by name, a configured root or a directory containing one (whatever is
+        there now: a root's path holding a regular file is still never recycled)?"""
+        return any(_under(r.url, key) for r in self.roots)
+
     def is_root(self, loc: Located) -> bool:
         return loc.key == loc.root.url
 
@@ -298,6 +303,11 @@ def _realpath(path: str) -> str:
         return os.path.realpath(path)
     except RecursionError:
         raise OSError(errno.ELOOP, "too many levels of symbolic links", path) from None
+    except OSError as e:  # a symlink on the way swapped while it was read
+        raise PathUnsettled(
+            "path changed while it was looked up",
+            f"{path[:300]!r}: {e.strerror or e} (a symlink on its way was swapped): try again",
+        ) from None
 
 
 def _normalise(path: str, raw: str) -> str:

@@ -471,7 +471,10 @@ public final class Cmroot {
   }
 
   /** Does the tree at `p` hold at least one file (or symlink)? */
-  /** `p` if it is a symlink, else the first symlink under it (not followed); else null. */
+  /**
+   * `p` if it is a symlink, else the first symlink under it (not followed, hidden names and
+   * what they hold skipped, as Hive's listings skip them); else null.
+   */
   static String firstSymlink(Path p) throws IOException {
     if (Files.isSymbolicLink(p)) {
       return p.toString();
@@ -480,8 +483,18 @@ public final class Cmroot {
       return null;
     }
     try (Stream<Path> s = Files.walk(p)) {
-      return s.filter(Files::isSymbolicLink).map(Path::toString).findFirst().orElse(null);
+      return s.filter(x -> Files.isSymbolicLink(x) && !hiddenBelow(p, x))
+          .map(Path::toString).findFirst().orElse(null);
     }
+  }
+
+  private static boolean hiddenBelow(Path top, Path x) {
+    for (Path seg : top.relativize(x)) {
+      if (isHiddenName(seg.toString())) {
+        return true;
+      }
+    }
+    return false;
   }
 
   static boolean holdsFiles(Path p) throws IOException {

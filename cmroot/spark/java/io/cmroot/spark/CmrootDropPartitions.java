@@ -112,9 +112,8 @@ final class CmrootDropPartitions {
   }
 
   /**
-   * The partitions `spec` names, as the drop will find them: the metastore's match of the
-   * spec as written, else, for a full spec, its match of the values as Spark reads them for
-   * the columns' types (PARTITION (p='03') of an INT column drops p=3, which a match of the
+   * The partitions `spec` names, as the drop will find them: for a full spec, the
+   * metastore's match of the values as Spark reads them for the columns' types (PARTITION (p='03') of an INT column drops p=3, which a match of the
    * text "03" misses; p=3 does not drop a partition stored as "03", which a comparison of
    * numbers would take). A partition missed here would be staged only when the metastore
    * reaches it, after earlier ones had already left the catalog; one matched here that the
@@ -124,14 +123,10 @@ final class CmrootDropPartitions {
   static List<CatalogTablePartition> matching(SessionCatalog catalog,
       CatalogTable table, TableIdentifier qualified,
       scala.collection.immutable.Map<String, String> spec) {
-    List<CatalogTablePartition> exact = CollectionConverters.asJava(
-        catalog.listPartitions(qualified, Option.apply(spec)));
-    if (!exact.isEmpty() || spec.size() < table.partitionColumnNames().size()) {
-      return exact;
-    }
-    scala.collection.immutable.Map<String, String> typed = typed(table, spec);
-    return typed == null || typed.equals(spec) ? exact
-        : CollectionConverters.asJava(catalog.listPartitions(qualified, Option.apply(typed)));
+    scala.collection.immutable.Map<String, String> typed =
+        spec.size() < table.partitionColumnNames().size() ? null : typed(table, spec);
+    return CollectionConverters.asJava(
+        catalog.listPartitions(qualified, Option.apply(typed == null ? spec : typed)));
   }
 
   /**

@@ -87,10 +87,11 @@ public final class CmrootStatementCommand extends LogicalPlan implements LeafRun
    */
   private static void refuseSymlinks(LoadDataCommand c, SparkSession session)
       throws java.io.IOException {
+    if (c.isLocal()) {
+      return; // LOCAL copies the bytes in: a symlink's target is read, never moved
+    }
     org.apache.hadoop.fs.Path p = new org.apache.hadoop.fs.Path(c.path());
-    org.apache.hadoop.fs.FileSystem fs = c.isLocal()
-        ? org.apache.hadoop.fs.FileSystem.getLocal(session.sessionState().newHadoopConf())
-        : p.getFileSystem(session.sessionState().newHadoopConf());
+    org.apache.hadoop.fs.FileSystem fs = p.getFileSystem(session.sessionState().newHadoopConf());
     if (!(fs instanceof CmrootLocalFileSystem)) {
       return;
     }
@@ -98,7 +99,12 @@ public final class CmrootStatementCommand extends LogicalPlan implements LeafRun
     for (org.apache.hadoop.fs.FileStatus m : matched == null
         ? new org.apache.hadoop.fs.FileStatus[0] : matched) {
       String local = Cmroot.localPath(m.getPath().toUri().getPath());
-      String link = local == null ? null : Cmroot.firstSymlink(java.nio.file.Paths.get(local));
+      // A symlink to a directory named by the path is listed like the directory (Hive moves
+      // its entries, not the link); hidden entries Hive skips.
+      java.nio.file.Path top = local == null ? null : java.nio.file.Paths.get(local);
+      String link = top == null ? null
+          : java.nio.file.Files.isSymbolicLink(top) && java.nio.file.Files.isDirectory(top)
+          ? Cmroot.firstSymlink(top.toRealPath()) : Cmroot.firstSymlink(top);
       if (link != null) {
         throw new Cmroot.RecycleException("cmroot refuses to move " + link + " into "
             + c.table().unquotedString() + " (LOAD DATA INPATH '" + c.path() + "'): it is a"
