@@ -41,9 +41,9 @@ class Objects:
         """Make the shard directories of these objects-to-be in the background: a prepared
         transaction's objects are published at its commit, and making their directories
         meanwhile (while the rest is hashed, then while the statement runs) keeps that work
-        off the commit. Shards are
-        never removed, so one made for a transaction that is rolled back just waits for a
-        later object; one that could not be made is made (or reported) by the publish."""
+        off the commit. Shards are never removed, so one made for a transaction that is
+        rolled back just waits for a later object; one that could not be made is made (or
+        reported) by the publish."""
         wanted = sorted({c for c in checksums if c})
         if wanted:
             self._shards.submit(self._make_shards, wanted)

@@ -265,9 +265,7 @@ class Recycler:
         mode = Mode(req.mode)
         located = self.warehouse.locate_all(req.paths)
         for loc in located:
-            if (not loc.is_file or self.warehouse.names_root(loc.key)) and self.warehouse.protected(
-                loc.key
-            ):
+            if self.warehouse.protects(loc):
                 raise Forbidden(
                     "a warehouse root is never recycled",
                     f"{loc.key} is a warehouse root or contains one: name the tables or files"

@@ -247,10 +247,13 @@ class Warehouse:
             for r in self.roots
         )
 
-    def names_root(self, key: str) -> bool:
-        """Is `key`, by name, a configured root or a directory containing one (whatever is
-        there now: a root's path holding a regular file is still never recycled)?"""
-        return any(_under(r.url, key) for r in self.roots)
+    def protects(self, loc: Located) -> bool:
+        """protected(), for a path `locate_all` just confined: a regular file found there
+        names no directory, so unless its name is a root's (or above one: a root's path
+        holding a file is still never recycled) nothing need be resolved again."""
+        if loc.is_file and not any(_under(r.url, loc.key) for r in self.roots):
+            return False
+        return self.protected(loc.key)
 
     def is_root(self, loc: Located) -> bool:
         return loc.key == loc.root.url

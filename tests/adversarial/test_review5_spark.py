@@ -34,12 +34,6 @@ pytestmark = pytest.mark.timeout(600)
 DB = "rev5"
 
 
-@pytest.fixture(scope="module")
-def db(lake: Lake) -> str:  # noqa: F811
-    lake.sql(f"CREATE DATABASE IF NOT EXISTS {DB}")
-    return DB
-
-
 def tdir(lake: Lake, table: str) -> Path:  # noqa: F811
     return lake.warehouse / f"{DB}.db" / table
 
