@@ -161,15 +161,14 @@ class Warehouse:
             root = self._local_root(key, raw)
             if not resolve:
                 return Located(key, root, key, None, True)
-            try:
-                real, st, statted = self._realpath(key, dirs)
-            except OSError as e:
-                raise PathUnsettled(
-                    "path changed while it was looked up",
-                    f"{raw[:300]!r}: {e.strerror or e} (a symlink on its way was swapped, or"
-                    " the chain is too long): try again",
-                ) from None
-            if not any(r.local and _under(real, r.real) for r in self.roots):
+            real, st, statted = self._resolve(key, raw, dirs)
+            if dirs is None and not self._inside(real):
+                # A refusal is made on a fresh look, never on a cached parent that was a
+                # symlink a moment ago and has since been put back.
+                fresh: dict[str, tuple[float, str]] = {}
+                real, st, statted = self._resolve(key, raw, fresh)
+                self._real_dirs.update(fresh)
+            if not self._inside(real):
                 raise OutsideRoots(
                     "path escapes the warehouse roots",
                     f"{raw!r} resolves through a symlink to {real!r}",
@@ -183,6 +182,21 @@ class Warehouse:
         raise OutsideRoots(
             "path outside the warehouse roots", f"{raw!r} is not under {self._names()}"
         )
+
+    def _resolve(
+        self, key: str, raw: str, dirs: dict[str, tuple[float, str]] | None
+    ) -> tuple[str, os.stat_result | None, bool]:
+        try:
+            return self._realpath(key, dirs)
+        except OSError as e:
+            raise PathUnsettled(
+                "path changed while it was looked up",
+                f"{raw[:300]!r}: {e.strerror or e} (a symlink on its way was swapped, or"
+                " the chain is too long): try again",
+            ) from None
+
+    def _inside(self, real: str) -> bool:
+        return any(r.local and _under(real, r.real) for r in self.roots)
 
     def place(self, key: str) -> Located:
         """A key this store recorded (confined and canonical when it was located), placed
@@ -263,7 +277,7 @@ class Warehouse:
         served: a parent swapped for a symlink a moment ago must not let it escape."""
         if loc.local:
             real = _realpath(loc.key)
-            if not any(r.local and _under(real, r.real) for r in self.roots):
+            if not self._inside(real):
                 raise OutsideRoots(
                     "path escapes the warehouse roots",
                     f"{loc.key!r} resolves through a symlink to {real!r}",

@@ -147,3 +147,25 @@ def test_store_close_leaves_no_thread_making_shard_directories(env: Env) -> None
     assert alive == []
     after = sorted(str(p) for p in objects.rglob("*")) if objects.exists() else []
     assert after == before
+
+
+def test_a_lookup_just_after_a_symlinked_parent_was_put_back_is_answered_afresh(
+    env: Env, store: Store
+) -> None:
+    """Found by CI (the flip loop above, then a lookup): /wh/t was a symlink to /outside/t
+    when a lookup cached its parent's real path; within the cache's second it is a real
+    directory again. The next lookup was refused as escaping the roots on the stale entry.
+    A refusal must rest on a fresh look: the file now under /wh/t is found."""
+    t = env.warehouse / "t"
+    out_t = env.outside / "t"
+    out_t.mkdir()
+    (out_t / "f").write_bytes(b"outside\n")
+    t.symlink_to(out_t, target_is_directory=True)
+    try:
+        resolve_status(store, t / "f", b"outside\n")
+    except CmrootError:
+        pass  # refused: the path escapes (what it should say while the link is there)
+    t.unlink()
+    t.mkdir()
+    (t / "f").write_bytes(b"inside\n")
+    assert resolve_status(store, t / "f", b"inside\n") == "original"
