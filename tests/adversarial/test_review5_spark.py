@@ -58,10 +58,10 @@ def kept(lake: Lake, root: Path) -> dict[str, bytes]:  # noqa: F811
 
 @pytest.mark.parametrize(("name", "typ", "spark_dir", "spark_val", "odd_dir", "spec"), [
     ("ex_int", "INT", "p=3", "3", "p=03", "p='03'"),
-    pytest.param("ex_date", "DATE", "p=2024-01-05", "DATE'2024-01-05'", "p=2024-1-5",
-                 "p='2024-1-5'", marks=pytest.mark.xfail(strict=True, reason=(
-                     "open bug: CmrootDropPartitions.typed does not spell DATE values as"
-                     " Spark casts them"))),
+    ("ex_date", "DATE", "p=2024-01-05", "DATE'2024-01-05'", "p=2024-1-5", "p='2024-1-5'"),
+    ("ex_bool", "BOOLEAN", "p=true", "true", "p=TRUE", "p='TRUE'"),
+    ("ex_ts", "TIMESTAMP", "p=2024-01-05 10%3A00%3A00", "TIMESTAMP'2024-01-05 10:00:00'",
+     "p=2024-01-05 10%3A00", "p='2024-01-05 10:00'"),
 ])
 def test_full_spec_spelled_as_another_stored_partition_drops_only_sparks_match(
     lake: Lake, db: str, name: str, typ: str, spark_dir: str, spark_val: str,  # noqa: F811

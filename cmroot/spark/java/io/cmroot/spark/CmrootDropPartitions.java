@@ -2,12 +2,9 @@ package io.cmroot.spark;
 
 import java.io.File;
 import java.io.IOException;
-import java.math.BigDecimal;
-import java.math.RoundingMode;
 import java.util.ArrayList;
 import java.util.LinkedHashMap;
 import java.util.List;
-import java.util.Locale;
 import java.util.Map;
 import org.apache.spark.sql.SparkSession;
 import org.apache.spark.sql.catalyst.TableIdentifier;
@@ -18,16 +15,7 @@ import org.apache.spark.sql.catalyst.catalog.CatalogTablePartition;
 import org.apache.spark.sql.catalyst.catalog.CatalogTableType;
 import org.apache.spark.sql.catalyst.catalog.SessionCatalog;
 import org.apache.spark.sql.execution.command.AlterTableDropPartitionCommand;
-import org.apache.spark.sql.types.DataType;
-import org.apache.spark.sql.types.DataTypes;
-import org.apache.spark.sql.types.ByteType;
-import org.apache.spark.sql.types.DecimalType;
-import org.apache.spark.sql.types.DoubleType;
-import org.apache.spark.sql.types.FloatType;
-import org.apache.spark.sql.types.IntegerType;
-import org.apache.spark.sql.types.LongType;
-import org.apache.spark.sql.types.ShortType;
-import org.apache.spark.sql.types.StructField;
+import org.apache.spark.sql.util.PartitioningUtils;
 import scala.Option;
 import scala.jdk.javaapi.CollectionConverters;
 
@@ -63,11 +51,11 @@ final class CmrootDropPartitions {
     List<String> keys = new ArrayList<>();
     for (scala.collection.immutable.Map<String, String> spec
         : CollectionConverters.asJava(cmd.specs())) {
-      scala.collection.immutable.Map<String, String> normalized = normalize(spec, columns);
+      scala.collection.immutable.Map<String, String> normalized = normalize(session, table, spec);
       if (normalized == null) {
         return; // not a partition column: the command itself says so
       }
-      for (CatalogTablePartition p : matching(catalog, table, qualified, normalized)) {
+      for (CatalogTablePartition p : matching(catalog, qualified, normalized)) {
         String loc = Cmroot.localPath(String.valueOf(p.location()));
         Cmroot.refuseRootRemoval(loc, s, "the drop of partition");
         if (!Cmroot.protectedLocation(loc, s) || !Cmroot.holdsFiles(new File(loc).toPath())) {
@@ -112,88 +100,30 @@ final class CmrootDropPartitions {
   }
 
   /**
-   * The partitions `spec` names, as the drop will find them: for a full spec, the
-   * metastore's match of the values as Spark reads them for the columns' types (PARTITION (p='03') of an INT column drops p=3, which a match of the
-   * text "03" misses; p=3 does not drop a partition stored as "03", which a comparison of
-   * numbers would take). A partition missed here would be staged only when the metastore
-   * reaches it, after earlier ones had already left the catalog; one matched here that the
-   * drop does not remove would lose its files. A partial spec is matched as written only, as
-   * Spark matches it.
+   * The partitions `spec` (as normalized) names: what the drop or truncate will find, as it
+   * asks the catalog the same question. A partition missed here would be staged only when
+   * the metastore reaches it, after earlier ones had already left the catalog; one matched
+   * here that the statement does not remove would lose its files.
    */
   static List<CatalogTablePartition> matching(SessionCatalog catalog,
-      CatalogTable table, TableIdentifier qualified,
-      scala.collection.immutable.Map<String, String> spec) {
-    scala.collection.immutable.Map<String, String> typed =
-        spec.size() < table.partitionColumnNames().size() ? null : typed(table, spec);
-    return CollectionConverters.asJava(
-        catalog.listPartitions(qualified, Option.apply(typed == null ? spec : typed)));
+      TableIdentifier qualified, scala.collection.immutable.Map<String, String> spec) {
+    return CollectionConverters.asJava(catalog.listPartitions(qualified, Option.apply(spec)));
   }
 
   /**
-   * `spec` with each value spelled as Spark spells the column type's value it casts the text
-   * to ("03" of an INT is "3", "1.50" of a DOUBLE "1.5"); null values stay null. Null when
-   * a value is no value of its type: then only the spec as written can match.
+   * `spec` as the command itself normalizes it before it drops or truncates (Spark's own
+   * PartitioningUtils.normalizePartitionSpec): keys spelled as the partition columns, values
+   * cast to the columns' types and spelled back as text (PARTITION (p='03') of an INT column
+   * names p=3, of a DATE column '2024-1-5' names 2024-01-05). Null when Spark refuses it (no
+   * such column, a value its type cannot hold): then the command fails by itself.
    */
-  @SuppressWarnings("unchecked") // Map.updated's Scala signature reaches Java as a raw Map
-  private static scala.collection.immutable.Map<String, String> typed(CatalogTable table,
-      scala.collection.immutable.Map<String, String> spec) {
-    scala.collection.immutable.Map<String, String> out = spec;
-    for (scala.Tuple2<String, String> kv : CollectionConverters.asJava(spec.toList())) {
-      String v = kv._2();
-      if (v == null) {
-        continue;
-      }
-      DataType t = type(table, kv._1());
-      String text;
-      try {
-        if (t instanceof ByteType || t instanceof ShortType || t instanceof IntegerType
-            || t instanceof LongType) {
-          text = new BigDecimal(v.trim()).toBigIntegerExact().toString();
-        } else if (t instanceof DoubleType) {
-          text = Double.toString(Double.parseDouble(v.trim()));
-        } else if (t instanceof FloatType) {
-          text = Float.toString(Float.parseFloat(v.trim()));
-        } else if (t instanceof DecimalType) {
-          text = new BigDecimal(v.trim())
-              .setScale(((DecimalType) t).scale(), RoundingMode.HALF_UP).toPlainString();
-        } else {
-          text = v;
-        }
-      } catch (NumberFormatException | ArithmeticException e) {
-        return null;
-      }
-      out = out.updated(kv._1(), text);
+  static scala.collection.immutable.Map<String, String> normalize(SparkSession session,
+      CatalogTable table, scala.collection.immutable.Map<String, String> spec) {
+    try {
+      return PartitioningUtils.normalizePartitionSpec(spec, table.partitionSchema(),
+          table.identifier().quotedString(), session.sessionState().conf().resolver());
+    } catch (Exception e) { // AnalysisException (undeclared in Scala) or a failed cast
+      return null;
     }
-    return out;
-  }
-
-  private static DataType type(CatalogTable table, String column) {
-    for (StructField f : table.partitionSchema().fields()) {
-      if (f.name().equalsIgnoreCase(column)) {
-        return f.dataType();
-      }
-    }
-    return DataTypes.StringType;
-  }
-
-  /** `spec` with its keys spelled as the table's partition columns; null if one is not. */
-  @SuppressWarnings("unchecked") // Map.updated's Scala signature reaches Java as a raw Map
-  static scala.collection.immutable.Map<String, String> normalize(
-      scala.collection.immutable.Map<String, String> spec, List<String> columns) {
-    scala.collection.immutable.Map<String, String> out = scala.collection.immutable.Map$.MODULE$
-        .empty();
-    for (scala.Tuple2<String, String> kv : CollectionConverters.asJava(spec.toList())) {
-      String column = null;
-      for (String c : columns) {
-        if (c.toLowerCase(Locale.ROOT).equals(kv._1().toLowerCase(Locale.ROOT))) {
-          column = c;
-        }
-      }
-      if (column == null) {
-        return null;
-      }
-      out = out.updated(column, kv._2());
-    }
-    return out;
   }
 }

@@ -46,11 +46,11 @@ final class CmrootTruncate {
       List<CatalogTablePartition> found;
       if (spec.isDefined()) {
         scala.collection.immutable.Map<String, String> normalized =
-            CmrootDropPartitions.normalize(spec.get(), columns);
+            CmrootDropPartitions.normalize(session, table, spec.get());
         if (normalized == null) {
           return; // not a partition column: the command itself says so
         }
-        found = CmrootDropPartitions.matching(catalog, table, qualified, normalized);
+        found = CmrootDropPartitions.matching(catalog, qualified, normalized);
       } else {
         found = CollectionConverters.asJava(catalog.listPartitions(qualified, Option.empty()));
       }
