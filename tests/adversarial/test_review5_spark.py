@@ -101,9 +101,6 @@ def test_full_spec_spelled_as_another_stored_partition_drops_only_sparks_match(
 
 # -- 2. protectedLocation stopped at DROP/TRUNCATE: overwrites still use protectedPath ------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open bug: overwrites still judge a partition location by its name"
-    " (CmrootCommitProtocol.deleteWithJob, CmrootLocalFileSystem.delete: protectedPath)"))
 @pytest.mark.parametrize("fmt", ["USING parquet", "STORED AS TEXTFILE"])
 def test_overwrite_of_a_partition_at_a_temporary_shaped_location_recycles_it(
     lake: Lake, db: str, fmt: str  # noqa: F811

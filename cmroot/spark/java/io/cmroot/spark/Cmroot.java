@@ -343,6 +343,16 @@ public final class Cmroot {
   }
 
   /**
+   * {@link #protectedPath}, or data of the table `ctx` (a statement's) writes: a path in its
+   * location or one of its partitions' own, by the catalog's word, whatever those are named
+   * (see {@link Ctx#catalogData}).
+   */
+  static boolean protectedPath(String path, Settings s, Ctx ctx) {
+    return protectedPath(path, s)
+        || (ctx != null && protectedLocation(path, s) && ctx.catalogData(path));
+  }
+
+  /**
    * Is this location of a table or partition, as the catalog records it, under a root? Its
    * name does not matter: a directory named like a job's temporary output
    * ({@code _temporary/7}) that someone registered as a partition holds that partition's data.
@@ -601,6 +611,21 @@ public final class Cmroot {
       }
       out.addAll(partitionLocations());
       return out;
+    }
+
+    /**
+     * Is `path` in the table's location or one of its partitions' own, with no job's
+     * temporary output between that directory and it? A partition registered at a place
+     * named like a committer's attempt directory ({@code _temporary/7}) holds data all the
+     * same; a job's staging output inside the table does not.
+     */
+    boolean catalogData(String path) {
+      for (String d : dirs()) {
+        if (under(path, d) && !isTemporary(path.substring(d.length()))) {
+          return true;
+        }
+      }
+      return false;
     }
 
     /** The distinct partitions ({k: v}) `files` belong to, in the order first met. */

@@ -78,7 +78,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
       if (local != null) {
         Cmroot.refuseRootRemoval(local, s, "the overwrite of");
       }
-      if (local == null || !recursive || !Cmroot.protectedPath(local, s)) {
+      if (local == null || !recursive || !Cmroot.protectedPath(local, s, ctx)) {
         return fs.delete(path, recursive);
       }
       if (s.enabled && Files.isRegularFile(Paths.get(local), LinkOption.NOFOLLOW_LINKS)) {
@@ -125,7 +125,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
           list.add(p); // one another writer removed meanwhile is not ours to keep
         }
       }
-      if (dynamic && base != null && Cmroot.protectedPath(base, s)) {
+      if (dynamic && base != null && Cmroot.protectedPath(base, s, ctx)) {
         for (String part : partitionPaths(taskCommits)) {
           list.addAll(Cmroot.filesUnder(Cmroot.localPath(new File(base, part).getPath())));
         }

@@ -117,7 +117,7 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     }
     Cmroot.Settings s = Cmroot.settings(getConf());
     String target = s.enabled ? Cmroot.localPath(pathToFile(dst).getPath()) : null;
-    if (Cmroot.protectedPath(target, s)) {
+    if (Cmroot.protectedPath(target, s, statementCtx())) {
       refuseLate("move into", target);
     }
     recycleReplaced(dst);
@@ -160,6 +160,12 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
       st.movedIn(from, landed, now);
     }
     return moved;
+  }
+
+  /** The context of the statement running on this thread, or null. */
+  private static Cmroot.Ctx statementCtx() {
+    CmrootStatement st = CmrootStatement.current();
+    return st == null ? null : st.ctx;
   }
 
   /** Refuse a write of a failed statement that reaches here after it ended (see failedHere). */
@@ -211,7 +217,7 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     Cmroot.Settings s = Cmroot.settings(getConf());
     String local = s.enabled ? Cmroot.localPath(pathToFile(f).getPath()) : null;
     if (local == null || Cmroot.isHiddenName(new File(local).getName())
-        || !Cmroot.protectedPath(local, s)) {
+        || !Cmroot.protectedPath(local, s, statementCtx())) {
       return;
     }
     java.nio.file.Path p = new File(local).toPath();
@@ -242,7 +248,7 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
       return super.delete(f, recursive);
     }
     Cmroot.refuseRootRemoval(local, s, "the delete of");
-    if (!Cmroot.protectedPath(local, s)) {
+    if (!Cmroot.protectedPath(local, s, statementCtx())) {
       return super.delete(f, recursive);
     }
     refuseLate("delete", local);
