@@ -194,9 +194,6 @@ def test_load_data_of_a_directory_with_a_hidden_symlink_hive_skips(
 
 # -- 4. LOAD DATA OVERWRITE failing after its move: move-back vs abort order ----------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open bug: a refused LOAD OVERWRITE part rolls back before the moved-in file is moved"
-    " back, so the old file is kept only as displaced"))
 def test_failed_load_overwrite_of_a_same_named_file_puts_the_old_file_back(
     lake: Lake, db: str, tmp_path: Path  # noqa: F811
 ) -> None:

@@ -142,8 +142,9 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     }
     List<String> files = Cmroot.filesUnder(from);
     // Data files leaving their place under the roots (another table's, or another partition
-    // of this one): their bytes are kept there first.
-    if (Cmroot.protectedPath(from, s) && !files.isEmpty() && !st.prepareCopy(files,
+    // of this one): their bytes are kept there first, unless the statement did at its start.
+    List<String> keep = st.notKept(files);
+    if (Cmroot.protectedPath(from, s) && !keep.isEmpty() && !st.prepareCopy(keep,
         "the move of " + from + " into " + into.table, into.appliesTo(from))) {
       return super.rename(src, dst); // failed open
     }

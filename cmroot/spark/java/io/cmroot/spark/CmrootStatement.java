@@ -57,6 +57,9 @@ public final class CmrootStatement {
   // Files staged ahead of their own delete (CmrootLocalFileSystem: a directory Hive replaces
   // file by file): their deletes find them gone and succeed.
   private final Set<String> stagedFiles = ConcurrentHashMap.newKeySet();
+  // Files of another table a LOAD kept before anything moved (CmrootStatementCommand): their
+  // renames find them kept.
+  private final Set<String> kept = ConcurrentHashMap.newKeySet();
   private final long startedMillis = System.currentTimeMillis();
   private volatile boolean open = true;
   private volatile String failure;
@@ -266,6 +269,21 @@ public final class CmrootStatement {
         }
       } catch (java.io.IOException | UnsupportedOperationException e) {
         // gone meanwhile, or no ctime here: left to its own delete
+      }
+    }
+    return out;
+  }
+
+  void markKept(List<String> paths) {
+    unit.kept.addAll(paths);
+  }
+
+  /** Those of `paths` whose bytes the statement has not kept yet. */
+  List<String> notKept(List<String> paths) {
+    List<String> out = new ArrayList<>();
+    for (String p : paths) {
+      if (!unit.kept.contains(p)) {
+        out.add(p);
       }
     }
     return out;

@@ -60,7 +60,7 @@ public final class CmrootStatementCommand extends LogicalPlan implements LeafRun
         } else if (inner instanceof TruncateTableCommand) {
           CmrootTruncate.stage(session, (TruncateTableCommand) inner, st, s);
         } else if (inner instanceof LoadDataCommand && s.enabled) {
-          refuseSymlinks((LoadDataCommand) inner, session);
+          prepareLoad((LoadDataCommand) inner, session, st, s);
         }
         rows = org.apache.spark.sql.classic.Dataset$.MODULE$
             .ofRows((org.apache.spark.sql.classic.SparkSession) session, inner)
@@ -81,14 +81,17 @@ public final class CmrootStatementCommand extends LogicalPlan implements LeafRun
   }
 
   /**
-   * Refuse a LOAD DATA whose path is, or holds, a symlink, before anything moves: Hive moves
-   * what the path holds one entry at a time, and cmroot, which never follows a symlink,
-   * would refuse that one midway.
+   * Before anything of a LOAD DATA INPATH moves: refuse a path that is, or holds, a symlink,
+   * and keep the bytes of every file of another table (or of no table) under the roots that
+   * it will move, in one part of the statement. Hive deletes the table's old files first and
+   * then moves the new ones in one entry at a time; a keep refused midway (a FIFO, say)
+   * would otherwise be found after a new file had taken an old one's name, where the old
+   * one can no longer be put back. Files of the statement's own table are kept as they move.
    */
-  private static void refuseSymlinks(LoadDataCommand c, SparkSession session)
-      throws java.io.IOException {
+  private static void prepareLoad(LoadDataCommand c, SparkSession session, CmrootStatement st,
+      Cmroot.Settings s) throws java.io.IOException {
     if (c.isLocal()) {
-      return; // LOCAL copies the bytes in: a symlink's target is read, never moved
+      return; // LOCAL copies the bytes in: a symlink's target is read, nothing leaves
     }
     org.apache.hadoop.fs.Path p = new org.apache.hadoop.fs.Path(c.path());
     org.apache.hadoop.fs.FileSystem fs = p.getFileSystem(session.sessionState().newHadoopConf());
@@ -96,21 +99,39 @@ public final class CmrootStatementCommand extends LogicalPlan implements LeafRun
       return;
     }
     org.apache.hadoop.fs.FileStatus[] matched = fs.globStatus(fs.makeQualified(p));
+    List<String> keep = new java.util.ArrayList<>();
     for (org.apache.hadoop.fs.FileStatus m : matched == null
         ? new org.apache.hadoop.fs.FileStatus[0] : matched) {
       String local = Cmroot.localPath(m.getPath().toUri().getPath());
       // A symlink to a directory named by the path is listed like the directory (Hive moves
       // its entries, not the link); hidden entries Hive skips.
       java.nio.file.Path top = local == null ? null : java.nio.file.Paths.get(local);
+      boolean linkedDir = top != null && java.nio.file.Files.isSymbolicLink(top)
+          && java.nio.file.Files.isDirectory(top);
       String link = top == null ? null
-          : java.nio.file.Files.isSymbolicLink(top) && java.nio.file.Files.isDirectory(top)
-          ? Cmroot.firstSymlink(top.toRealPath()) : Cmroot.firstSymlink(top);
+          : linkedDir ? Cmroot.firstSymlink(top.toRealPath()) : Cmroot.firstSymlink(top);
       if (link != null) {
         throw new Cmroot.RecycleException("cmroot refuses to move " + link + " into "
             + c.table().unquotedString() + " (LOAD DATA INPATH '" + c.path() + "'): it is a"
             + " symlink, which cmroot never follows, so the table's new data could not be"
             + " recorded for replication. Nothing was moved. Load the files themselves.", null);
       }
+      if (top == null || linkedDir || Cmroot.isHiddenName(top.getFileName().toString())
+          || !Cmroot.protectedPath(local, s) || st.ctx.appliesTo(local) != null) {
+        continue;
+      }
+      java.io.File[] entries = java.nio.file.Files.isDirectory(top,
+          java.nio.file.LinkOption.NOFOLLOW_LINKS) ? top.toFile().listFiles()
+          : new java.io.File[] {top.toFile()};
+      for (java.io.File e : entries == null ? new java.io.File[0] : entries) {
+        if (!Cmroot.isHiddenName(e.getName())) {
+          keep.addAll(Cmroot.filesUnder(e.getPath()));
+        }
+      }
+    }
+    if (!keep.isEmpty() && st.prepareCopy(keep, "the files LOAD DATA INPATH '" + c.path()
+        + "' moves into " + c.table().unquotedString(), null)) {
+      st.markKept(keep);
     }
   }
 
