@@ -388,9 +388,33 @@ def test_cancel_job_group_during_an_overwrite_leaves_the_table(
     assert lake.daemon.events_after(since) == [] and staging(lake) == []
 
 
+def test_hive_dynamic_overwrite_refused_partition_fails_before_hive_loads_any(
+    lake: Lake, db: str, tmp_path: Path  # noqa: F811
+) -> None:
+    """A Hive-format dynamic INSERT OVERWRITE of p=1..3 where p=1 holds a symlink (the
+    daemon refuses it). The old files of every partition the job wrote are staged at job
+    commit, in one part, before Hive's load starts its pool of threads: the statement fails
+    there (not with Hive's "Exception when loading" from one of its threads midway, whose
+    fellows it then interrupts), and every partition is as it was."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("99\n")
+    lake.sql(f"CREATE TABLE {DB}.hpre (a INT) PARTITIONED BY (p INT) STORED AS TEXTFILE")
+    lake.sql(f"INSERT INTO {DB}.hpre PARTITION (p) SELECT CAST(id AS INT), CAST(id AS INT) "
+             "FROM range(1, 4)")
+    (tdir(lake, "hpre") / "p=1" / "zlink").symlink_to(outside)
+    before = {p: Path(p).read_bytes() for p in data_only(tdir(lake, "hpre"))}
+    err, events = attempt(lake, f"INSERT OVERWRITE TABLE {DB}.hpre PARTITION (p) "
+                                "SELECT CAST(id + 10 AS INT), CAST(id AS INT) FROM range(1, 4)")
+    assert err is not None and "Exception when loading" not in err, err
+    after = {p: Path(p).read_bytes() for p in data_only(tdir(lake, "hpre"))}
+    assert (after, brief(events), staging(lake)) == (before, [], [])
+
+
 @pytest.mark.skip(reason=(
-    "open bug: this race still fails now and then, and when it does the embedded metastore's"
-    " connection pool is left exhausted and every later test of the session hangs"))
+    "open: after a few attempts the embedded metastore's connection pool (commons-pool 1.5.4"
+    " under DataNucleus) is exhausted and the next metastore call waits forever; seen even"
+    " with no Hive load thread alive (the refusal now comes at job commit, before Hive's"
+    " load starts any): the connections are lost by threads that are gone"))
 def test_hive_dynamic_overwrite_with_one_refused_partition_is_all_or_nothing(
     lake: Lake, db: str, tmp_path: Path  # noqa: F811
 ) -> None:

@@ -140,6 +140,10 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     CmrootTransaction own = early;
     early = null;
     boolean staging = !list.isEmpty() && s.enabled;
+    // A Hive write: the statement moves the committed files from this staging output into
+    // its table after the job; they are listed there when it is done.
+    boolean moved = st != null && base != null && Cmroot.isTemporary(base) && ctx != null
+        && ctx.table != null && ctx.location != null;
     try {
       if (staging) {
         own = st == null ? (own != null ? own : transaction(s, base)) : null;
@@ -151,6 +155,9 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
         }
       }
       super.commitJob(jobContext, taskCommits);
+      if (moved && s.enabled && "INSERT_OVERWRITE".equals(ctx.op)) {
+        stageReplaced(st, base);
+      }
     } catch (Throwable e) {
       if (own != null) {
         own.abort("the job commit of " + outputPath + " failed: " + e);
@@ -160,10 +167,6 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     List<String> emptied = new ArrayList<>(deletedDirs);
     deletedDirs.clear();
     snapshot.clear();
-    // A Hive write: the statement moves the committed files from this staging output into
-    // its table after the job; they are listed there when it is done.
-    boolean moved = st != null && base != null && Cmroot.isTemporary(base) && ctx != null
-        && ctx.table != null && ctx.location != null;
     String target = moved ? ctx.location : base;
     CmrootStatement.Action done = () -> {
       for (String d : emptied) {
@@ -189,6 +192,49 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
       }
     } catch (IOException e) {
       throw new UncheckedIOException(e);
+    }
+  }
+
+  /**
+   * A Hive overwrite of the partitions this job committed to its staging output `base`
+   * (k=v/... directories holding its files): Hive's load then
+   * replaces each from a pool of threads, deleting its old files there. They are staged
+   * here, all in one part, before any of those threads starts, and their deletes find them
+   * staged (CmrootLocalFileSystem.replacedByHive). One the daemon refuses (a symlink) fails
+   * the job commit with nothing moved, not one of Hive's threads midway: Hive interrupts
+   * the others then, and an interrupted metastore call of the embedded metastore leaves its
+   * connection lost to the pool (with enough lost, every later statement waits forever).
+   */
+  private void stageReplaced(CmrootStatement st, String base) throws IOException {
+    Set<String> parts = new LinkedHashSet<>();
+    for (String f : Cmroot.dataFiles(new File(base), true, null)) {
+      String rel = new File(f).getParent().substring(base.length()).replaceAll("^/+", "");
+      if (!rel.isEmpty()) {
+        parts.add(rel);
+      }
+    }
+    List<String> paths = new ArrayList<>();
+    for (String part : parts) {
+      String dir = ctx.location.replaceAll("/+$", "") + "/" + part;
+      Map<String, String> spec = Cmroot.partitionOf(dir, ctx.location, true);
+      for (String d : ctx.partitionLocations()) { // a partition with its own location
+        if (spec.equals(ctx.partitionOf(d, true))) {
+          dir = d;
+        }
+      }
+      for (String e : st.olderEntries(new File(dir))) {
+        paths.addAll(Cmroot.withChecksumSibling(e));
+      }
+    }
+    if (paths.isEmpty()) {
+      return;
+    }
+    synchronized (st.replaceLock()) {
+      if (st.prepare(paths, "INSERT_OVERWRITE", ctx.db, ctx.table, false,
+          ctx.partitionsOf(paths), ctx.location, "the overwrite of " + ctx.db + "."
+          + ctx.table)) {
+        st.markFilesStaged(paths);
+      }
     }
   }
 

@@ -253,19 +253,33 @@ public final class CmrootStatement {
    */
   List<String> olderSiblings(java.io.File file) {
     List<String> out = new ArrayList<>(Cmroot.withChecksumSibling(file.getPath()));
-    java.io.File[] siblings = file.getParentFile() == null ? null
-        : file.getParentFile().listFiles();
-    for (java.io.File f : siblings == null ? new java.io.File[0] : siblings) {
-      if (f.equals(file) || Cmroot.isHiddenName(f.getName())) {
+    for (String f : olderEntries(file.getParentFile())) {
+      if (!f.equals(file.getPath()) && java.nio.file.Files.isRegularFile(
+          java.nio.file.Paths.get(f), java.nio.file.LinkOption.NOFOLLOW_LINKS)) {
+        out.addAll(Cmroot.withChecksumSibling(f));
+      }
+    }
+    return out;
+  }
+
+  /**
+   * The entries of `dir` Hive replaces (not hidden, not directories) whose inode last
+   * changed before the statement began; none if `dir` is missing.
+   */
+  List<String> olderEntries(java.io.File dir) {
+    List<String> out = new ArrayList<>();
+    java.io.File[] entries = dir == null ? null : dir.listFiles();
+    for (java.io.File f : entries == null ? new java.io.File[0] : entries) {
+      java.nio.file.Path p = f.toPath();
+      if (Cmroot.isHiddenName(f.getName())
+          || java.nio.file.Files.isDirectory(p, java.nio.file.LinkOption.NOFOLLOW_LINKS)) {
         continue;
       }
       try {
-        java.nio.file.Path p = f.toPath();
-        if (java.nio.file.Files.isRegularFile(p, java.nio.file.LinkOption.NOFOLLOW_LINKS)
-            && ((java.nio.file.attribute.FileTime) java.nio.file.Files.getAttribute(p,
-                "unix:ctime", java.nio.file.LinkOption.NOFOLLOW_LINKS)).toMillis()
-                < unit.startedMillis) {
-          out.addAll(Cmroot.withChecksumSibling(f.getPath()));
+        if (((java.nio.file.attribute.FileTime) java.nio.file.Files.getAttribute(p,
+            "unix:ctime", java.nio.file.LinkOption.NOFOLLOW_LINKS)).toMillis()
+            < unit.startedMillis) {
+          out.add(f.getPath());
         }
       } catch (java.io.IOException | UnsupportedOperationException e) {
         // gone meanwhile, or no ctime here: left to its own delete
