@@ -248,7 +248,16 @@ public final class Cmroot {
 
   /** Spark's and Hive's own temporary and staging paths, never recycled. */
   public static boolean isTemporary(String path) {
-    String[] segs = path.split("/");
+    return temporaryBelow("", path);
+  }
+
+  /**
+   * Is `path` (under `base`) in a job's temporary or staging output below `base`? Only the
+   * names below `base` count: a table located at a place named like a committer's attempt
+   * directory ({@code _temporary/7}) holds data all the same, and so does what is below it.
+   */
+  static boolean temporaryBelow(String base, String path) {
+    String[] segs = path.substring(base.length()).split("/");
     for (int i = 0; i < segs.length; i++) {
       if (isStagingName(segs[i])) {
         return true;
@@ -343,13 +352,13 @@ public final class Cmroot {
   }
 
   /**
-   * {@link #protectedPath}, or data of the table `ctx` (a statement's) writes: a path in its
-   * location or one of its partitions' own, by the catalog's word, whatever those are named
-   * (see {@link Ctx#catalogData}).
+   * {@link #protectedPath}, judged for the table `ctx` (a statement's) writes: a path in its
+   * location or one of its partitions' own, by the catalog's word, is data whatever those
+   * are named (see {@link Ctx#temporary}).
    */
   static boolean protectedPath(String path, Settings s, Ctx ctx) {
-    return protectedPath(path, s)
-        || (ctx != null && protectedLocation(path, s) && ctx.catalogData(path));
+    return path != null && protectedLocation(path, s)
+        && !(ctx == null ? isTemporary(path) : ctx.temporary(path));
   }
 
   /**
@@ -404,7 +413,7 @@ public final class Cmroot {
 
   /**
    * Every file (and symlink) under `dir`, or `dir` itself when it is one, skipping Spark's and
-   * Hive's temporary directories: what a delete of `dir` asked now would remove.
+   * Hive's temporary directories below it: what a delete of `dir` asked now would remove.
    */
   static List<String> filesUnder(String dir) throws IOException {
     Path root = Paths.get(dir);
@@ -419,7 +428,7 @@ public final class Cmroot {
       @Override
       public java.nio.file.FileVisitResult preVisitDirectory(Path d,
           java.nio.file.attribute.BasicFileAttributes a) {
-        return !d.equals(root) && isTemporary(d.toString())
+        return !d.equals(root) && temporaryBelow(root.toString(), d.toString())
             ? java.nio.file.FileVisitResult.SKIP_SUBTREE
             : java.nio.file.FileVisitResult.CONTINUE;
       }
@@ -614,18 +623,22 @@ public final class Cmroot {
     }
 
     /**
-     * Is `path` in the table's location or one of its partitions' own, with no job's
-     * temporary output between that directory and it? A partition registered at a place
-     * named like a committer's attempt directory ({@code _temporary/7}) holds data all the
-     * same; a job's staging output inside the table does not.
+     * Is `path` a job's temporary or staging output? In the table's location or one of its
+     * partitions' own, only the names below that directory count: a table or partition
+     * registered at a place named like a committer's attempt directory ({@code _temporary/7})
+     * holds data all the same; a job's staging output inside the table does not.
      */
-    boolean catalogData(String path) {
+    boolean temporary(String path) {
+      boolean inside = false;
       for (String d : dirs()) {
-        if (under(path, d) && !isTemporary(path.substring(d.length()))) {
-          return true;
+        if (under(path, d)) {
+          if (!temporaryBelow(d, path)) {
+            return false;
+          }
+          inside = true;
         }
       }
-      return false;
+      return inside || isTemporary(path);
     }
 
     /** The distinct partitions ({k: v}) `files` belong to, in the order first met. */

@@ -142,8 +142,8 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     boolean staging = !list.isEmpty() && s.enabled;
     // A Hive write: the statement moves the committed files from this staging output into
     // its table after the job; they are listed there when it is done.
-    boolean moved = st != null && base != null && Cmroot.isTemporary(base) && ctx != null
-        && ctx.table != null && ctx.location != null;
+    boolean moved = st != null && base != null && ctx != null && ctx.table != null
+        && ctx.location != null && ctx.temporary(base);
     try {
       if (staging) {
         own = st == null ? (own != null ? own : transaction(s, base)) : null;
@@ -311,7 +311,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
    */
   private void recordInsert(Cmroot.Settings s, String base) throws Cmroot.EventException {
     Cmroot.Ctx c = ctx == null || base == null ? null : ctx.appliesTo(base);
-    if (c == null || c.table == null || !Cmroot.protectedPath(base, s)) {
+    if (c == null || c.table == null || !Cmroot.protectedPath(base, s, c)) {
       return;
     }
     // A walk of the table: Spark reports the partitions a job wrote only for a dynamic

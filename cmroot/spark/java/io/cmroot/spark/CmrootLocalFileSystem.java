@@ -61,7 +61,7 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     }
     String local = Cmroot.localPath(pathToFile(f).getPath());
     Cmroot.Ctx into = local == null ? null : st.ctx.appliesTo(local);
-    if (into != null && into.table != null && !Cmroot.isTemporary(local)
+    if (into != null && into.table != null && !into.temporary(local)
         && !Cmroot.isHiddenName(new File(local).getName())) {
       st.movedIn(null, local, List.of(local));
     }
@@ -130,7 +130,8 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     // LOAD DATA moves what its path holds one entry at a time: files, and directories whole.
     boolean dir = source != null && st.ctx.loading && !link
         && Files.isDirectory(source, LinkOption.NOFOLLOW_LINKS);
-    if (into == null || into.table == null || Cmroot.isTemporary(from)
+    // What a LOAD DATA moves is the data its path names, whatever that is called.
+    if (into == null || into.table == null || (!st.ctx.loading && into.temporary(from))
         || !(link || dir || Files.isRegularFile(source, LinkOption.NOFOLLOW_LINKS))) {
       return super.rename(src, dst); // a job's or Hive's staging output, or a directory
     }
@@ -144,7 +145,9 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     // Data files leaving their place under the roots (another table's, or another partition
     // of this one): their bytes are kept there first, unless the statement did at its start.
     List<String> keep = st.notKept(files);
-    if (Cmroot.protectedPath(from, s) && !keep.isEmpty() && !st.prepareCopy(keep,
+    boolean data = st.ctx.loading ? Cmroot.protectedLocation(from, s)
+        : Cmroot.protectedPath(from, s, into);
+    if (data && !keep.isEmpty() && !st.prepareCopy(keep,
         "the move of " + from + " into " + into.table, into.appliesTo(from))) {
       return super.rename(src, dst); // failed open
     }

@@ -104,7 +104,8 @@ public final class CmrootStatementCommand extends LogicalPlan implements LeafRun
         ? new org.apache.hadoop.fs.FileStatus[0] : matched) {
       String local = Cmroot.localPath(m.getPath().toUri().getPath());
       // A symlink to a directory named by the path is listed like the directory (Hive moves
-      // its entries, not the link); hidden entries Hive skips.
+      // its entries, not the link); hidden entries Hive skips. What the path names is data
+      // whatever it is called (a table may be located at `x/_temporary/7`).
       java.nio.file.Path top = local == null ? null : java.nio.file.Paths.get(local);
       boolean linkedDir = top != null && java.nio.file.Files.isSymbolicLink(top)
           && java.nio.file.Files.isDirectory(top);
@@ -117,7 +118,7 @@ public final class CmrootStatementCommand extends LogicalPlan implements LeafRun
             + " recorded for replication. Nothing was moved. Load the files themselves.", null);
       }
       if (top == null || linkedDir || Cmroot.isHiddenName(top.getFileName().toString())
-          || !Cmroot.protectedPath(local, s) || st.ctx.appliesTo(local) != null) {
+          || !Cmroot.protectedLocation(local, s) || st.ctx.appliesTo(local) != null) {
         continue;
       }
       java.io.File[] entries = java.nio.file.Files.isDirectory(top,
