@@ -410,29 +410,17 @@ def test_hive_dynamic_overwrite_refused_partition_fails_before_hive_loads_any(
     assert (after, brief(events), staging(lake)) == (before, [], [])
 
 
-@pytest.mark.skip(reason=(
-    "open: after a few attempts the embedded metastore's connection pool (commons-pool 1.5.4"
-    " under DataNucleus) is exhausted and the next metastore call waits forever; seen even"
-    " with no Hive load thread alive (the refusal now comes at job commit, before Hive's"
-    " load starts any): the connections are lost by threads that are gone"))
 def test_hive_dynamic_overwrite_with_one_refused_partition_is_all_or_nothing(
     lake: Lake, db: str, tmp_path: Path  # noqa: F811
 ) -> None:
-    """FAILS (a race: here it shows within the 6 attempts nearly every run; one attempt hits
-    about 1 time in 4). A Hive-format dynamic INSERT OVERWRITE of p=1..10 where p=1 holds a
-    symlink escaping the root (the daemon refuses it). Hive loads the partitions on a pool;
-    each load deletes its partition's old file (replacedByHive stages it, holding the
-    statement's replaceLock during the prepare), then Hive's moveFile deletes the partition
-    directory itself (recursive). CmrootLocalFileSystem.delete sees that directory hold no
-    files (its file is staged), then - since 926ba22 - waits for the replaceLock, which
-    another partition's prepare holds. Meanwhile the daemon refuses the symlink's part and
-    rolls the whole transaction back: the staged files go back to their partitions. The
-    waiting thread then takes the lock, finds the directory not "staged", and calls
-    super.delete(dir, recursive=true) without looking again: the file just put back is
-    deleted for good. Seen: the statement fails, yet an old data file (and its .crc) of
-    another partition is gone from the table and resolves 'missing' (invariant 1: lost;
-    invariant 2: a failed statement changed data). Expected: after every attempt, every
-    partition as it was, nothing recorded, nothing left staged."""
+    """A Hive-format dynamic INSERT OVERWRITE of p=1..10 where p=1 holds a symlink escaping
+    the root (the daemon refuses it), six times. Once a race: Hive's load threads each staged
+    their partition's old files, a refusal rolled the others back while one thread's
+    recursive delete of its directory went on and deleted a file just put back. Now every
+    written partition's old files are staged in one part at job commit, before Hive's load
+    starts a thread (CmrootCommitProtocol.stageReplaced), so the refusal fails the statement
+    there. Expected: after every attempt, every partition as it was, nothing recorded,
+    nothing left staged (invariants 1 and 2)."""
     outside = tmp_path / "outside.txt"
     outside.write_text("99\n")
 
