@@ -292,9 +292,12 @@ public final class Cmroot {
     return true;
   }
 
-  /** Hadoop's hidden names (".x.crc", "_SUCCESS"): never data of a table. */
+  /**
+   * Hadoop's hidden names (".x.crc", "_SUCCESS"): never data of a table. As Spark's file
+   * index has it, a name with '=' is a partition directory all the same (`_src=1`).
+   */
   static boolean isHiddenName(String name) {
-    return name.startsWith(".") || name.startsWith("_");
+    return name.startsWith(".") || (name.startsWith("_") && !name.contains("="));
   }
 
   /**
@@ -416,6 +419,14 @@ public final class Cmroot {
    * Hive's temporary directories below it: what a delete of `dir` asked now would remove.
    */
   static List<String> filesUnder(String dir) throws IOException {
+    return filesUnder(dir, true);
+  }
+
+  /**
+   * {@link #filesUnder(String)}, or with `skipTemporary` false every file below `dir`
+   * whatever its directories are called: what a LOAD DATA moves is data all of it.
+   */
+  static List<String> filesUnder(String dir, boolean skipTemporary) throws IOException {
     Path root = Paths.get(dir);
     List<String> out = new ArrayList<>();
     if (!Files.isDirectory(root, java.nio.file.LinkOption.NOFOLLOW_LINKS)) {
@@ -428,7 +439,7 @@ public final class Cmroot {
       @Override
       public java.nio.file.FileVisitResult preVisitDirectory(Path d,
           java.nio.file.attribute.BasicFileAttributes a) {
-        return !d.equals(root) && temporaryBelow(root.toString(), d.toString())
+        return skipTemporary && !d.equals(root) && temporaryBelow(root.toString(), d.toString())
             ? java.nio.file.FileVisitResult.SKIP_SUBTREE
             : java.nio.file.FileVisitResult.CONTINUE;
       }
@@ -574,25 +585,30 @@ public final class Cmroot {
     public final boolean purge;
     public final String location;
     public final boolean creating;
-    // The table's partitions at custom locations outside `location`: directory -> spec, for
-    // the partitions and new files a write records.
+    // The table's partitions at custom locations (anywhere but the k=v/... path below
+    // `location`): directory -> spec, for the partitions and new files a write records.
     final Map<String, Map<String, String>> partitionDirs;
+    // The static partition values of an INSERT into a Hive table (PARTITION (p=1, q)): a
+    // dynamic one's staging output names only the dynamic columns.
+    final Map<String, String> staticSpec;
     // A LOAD DATA: every data file the statement writes into its table is recorded as its
     // INSERT (LOAD DATA LOCAL copies with plain creates, which no commit protocol sees).
     final boolean loading;
 
     public Ctx(String op, String db, String table, boolean purge, String location) {
-      this(op, db, table, purge, location, false, Map.of(), false);
+      this(op, db, table, purge, location, false, Map.of(), false, Map.of());
     }
 
     public Ctx(String op, String db, String table, boolean purge, String location,
         boolean creating) {
-      this(op, db, table, purge, location, creating, Map.of(), false);
+      this(op, db, table, purge, location, creating, Map.of(), false, Map.of());
     }
 
     private Ctx(String op, String db, String table, boolean purge, String location,
-        boolean creating, Map<String, Map<String, String>> partitionDirs, boolean loading) {
+        boolean creating, Map<String, Map<String, String>> partitionDirs, boolean loading,
+        Map<String, String> staticSpec) {
       this.loading = loading;
+      this.staticSpec = staticSpec;
       this.op = op;
       this.db = db;
       this.table = table;
@@ -604,12 +620,20 @@ public final class Cmroot {
 
     /** This context, with the table's partitions at custom locations (directory -> spec). */
     Ctx withPartitionDirs(Map<String, Map<String, String>> dirs) {
-      return new Ctx(op, db, table, purge, location, creating, Map.copyOf(dirs), loading);
+      return new Ctx(op, db, table, purge, location, creating, Map.copyOf(dirs), loading,
+          staticSpec);
     }
 
     /** This context, for a LOAD DATA. */
     Ctx loading() {
-      return new Ctx(op, db, table, purge, location, creating, partitionDirs, true);
+      return new Ctx(op, db, table, purge, location, creating, partitionDirs, true,
+          staticSpec);
+    }
+
+    /** This context, for an INSERT with these static partition values. */
+    Ctx withStaticSpec(Map<String, String> spec) {
+      return new Ctx(op, db, table, purge, location, creating, partitionDirs, loading,
+          Map.copyOf(spec));
     }
 
     /** The directories of the table: its location, then its custom partition locations. */
@@ -618,7 +642,7 @@ public final class Cmroot {
       if (location != null) {
         out.add(location);
       }
-      out.addAll(partitionLocations());
+      out.addAll(new java.util.TreeSet<>(partitionDirs.keySet()));
       return out;
     }
 
@@ -682,7 +706,13 @@ public final class Cmroot {
 
     /** The table's partitions' own locations outside its directory. */
     List<String> partitionLocations() {
-      return new ArrayList<>(new java.util.TreeSet<>(partitionDirs.keySet()));
+      List<String> out = new ArrayList<>();
+      for (String d : new java.util.TreeSet<>(partitionDirs.keySet())) {
+        if (location == null || !under(d, location)) {
+          out.add(d);
+        }
+      }
+      return out;
     }
 
     @Override

@@ -91,9 +91,17 @@ final class CmrootCommands {
       InsertIntoHiveTable c = (InsertIntoHiveTable) plan;
       TableIdentifier id = c.table().identifier();
       String location = Cmroot.localPath(String.valueOf(c.table().location()));
+      Map<String, String> fixed = new LinkedHashMap<>();
+      for (Map.Entry<String, Option<String>> e
+          : CollectionConverters.asJava(c.partition()).entrySet()) {
+        if (e.getValue().isDefined()) {
+          fixed.put(e.getKey(), e.getValue().get());
+        }
+      }
       return new Cmroot.Ctx(c.overwrite() ? "INSERT_OVERWRITE" : "INSERT", db(session, id),
           id.table(), false, location)
-          .withPartitionDirs(customPartitions(session, id, location));
+          .withPartitionDirs(customPartitions(session, id, location))
+          .withStaticSpec(fixed);
     }
     if (plan instanceof InsertIntoHiveDirCommand) { // deletes the old entries one by one
       InsertIntoHiveDirCommand c = (InsertIntoHiveDirCommand) plan;
@@ -168,7 +176,29 @@ final class CmrootCommands {
     return null;
   }
 
-  /** The table's partitions at locations outside `location`: directory -> spec. */
+  /**
+   * The location of the partition `spec` of the statement's table, by the catalog of the
+   * session running it; null if there is no such partition (or no session here).
+   */
+  static String partitionLocation(Cmroot.Ctx ctx, Map<String, String> spec) {
+    Option<SparkSession> active = SparkSession.getActiveSession();
+    if (!active.isDefined() || ctx.table == null) {
+      return null;
+    }
+    try {
+      CatalogTablePartition p = active.get().sessionState().catalog().getPartition(
+          new TableIdentifier(ctx.table, Option.apply(ctx.db)),
+          scala.collection.immutable.Map$.MODULE$.from(CollectionConverters.asScala(spec)));
+      return Cmroot.localPath(String.valueOf(p.location()));
+    } catch (Exception e) {
+      return null; // no such partition, or a spec the catalog does not take
+    }
+  }
+
+  /**
+   * The table's partitions at custom locations: anywhere but the k=v/... path below
+   * `location` that their spec gives (directory -> spec).
+   */
   private static Map<String, Map<String, String>> customPartitions(SparkSession session,
       TableIdentifier id, String location) {
     Map<String, Map<String, String>> out = new LinkedHashMap<>();
@@ -181,8 +211,10 @@ final class CmrootCommands {
       for (CatalogTablePartition p : CollectionConverters.asJava(
           catalog.listPartitions(qualified, Option.empty()))) {
         String dir = Cmroot.localPath(String.valueOf(p.location()));
-        if (dir != null && (location == null || !Cmroot.under(dir, location))) {
-          out.put(dir, CollectionConverters.asJava(p.spec()));
+        Map<String, String> spec = CollectionConverters.asJava(p.spec());
+        if (dir != null && (location == null || !Cmroot.under(dir, location)
+            || !spec.equals(Cmroot.partitionOf(dir, location, true)))) {
+          out.put(dir, spec);
         }
       }
     } catch (Exception e) {

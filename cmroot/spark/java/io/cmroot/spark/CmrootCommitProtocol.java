@@ -215,14 +215,13 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     }
     List<String> paths = new ArrayList<>();
     for (String part : parts) {
-      String dir = ctx.location.replaceAll("/+$", "") + "/" + part;
-      Map<String, String> spec = Cmroot.partitionOf(dir, ctx.location, true);
-      for (String d : ctx.partitionLocations()) { // a partition with its own location
-        if (spec.equals(ctx.partitionOf(d, true))) {
-          dir = d;
-        }
-      }
-      for (String e : st.olderEntries(new File(dir))) {
+      // The partition Hive replaces: the static values of the statement and the dynamic
+      // ones its output directory names, where the catalog says it lies. A partition not
+      // yet in the catalog has no old files of its own.
+      Map<String, String> spec = new LinkedHashMap<>(ctx.staticSpec);
+      spec.putAll(Cmroot.partitionOf(part, null, true));
+      String dir = CmrootCommands.partitionLocation(ctx, spec);
+      for (String e : dir == null ? List.<String>of() : st.olderEntries(new File(dir))) {
         paths.addAll(Cmroot.withChecksumSibling(e));
       }
     }
@@ -280,13 +279,12 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
    */
   private List<String> jobFiles(String base) {
     Cmroot.Ctx c = ctx == null ? null : ctx.appliesTo(base);
-    List<String> files = new ArrayList<>(Cmroot.dataFiles(new File(base), true, jobId));
+    // A partition's own location may lie below a hidden name of the table's (`_x/7`).
+    Set<String> files = new TreeSet<>(Cmroot.dataFiles(new File(base), true, jobId));
     for (String d : c == null ? List.<String>of() : c.dirs()) {
-      if (!Cmroot.under(d, base)) {
-        files.addAll(Cmroot.dataFiles(new File(d), true, jobId));
-      }
+      files.addAll(Cmroot.dataFiles(new File(d), true, jobId));
     }
-    return files;
+    return new ArrayList<>(files);
   }
 
   /** The partitions ({k: v}) the files belong to (custom partition locations included). */

@@ -141,7 +141,7 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
           + " the table's new data could not be recorded for replication. Nothing was moved."
           + " Load the file itself.", null);
     }
-    List<String> files = Cmroot.filesUnder(from);
+    List<String> files = Cmroot.filesUnder(from, !st.ctx.loading);
     // Data files leaving their place under the roots (another table's, or another partition
     // of this one): their bytes are kept there first, unless the statement did at its start.
     List<String> keep = st.notKept(files);

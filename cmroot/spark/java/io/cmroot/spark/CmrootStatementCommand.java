@@ -126,7 +126,7 @@ public final class CmrootStatementCommand extends LogicalPlan implements LeafRun
           : new java.io.File[] {top.toFile()};
       for (java.io.File e : entries == null ? new java.io.File[0] : entries) {
         if (!Cmroot.isHiddenName(e.getName())) {
-          keep.addAll(Cmroot.filesUnder(e.getPath()));
+          keep.addAll(Cmroot.filesUnder(e.getPath(), false));
         }
       }
     }
