@@ -292,12 +292,9 @@ public final class Cmroot {
     return true;
   }
 
-  /**
-   * Hadoop's hidden names (".x.crc", "_SUCCESS"): never data of a table. As Spark's file
-   * index has it, a name with '=' is a partition directory all the same (`_src=1`).
-   */
+  /** Hadoop's and Hive's hidden names (".x.crc", "_SUCCESS"): never data of a table. */
   static boolean isHiddenName(String name) {
-    return name.startsWith(".") || (name.startsWith("_") && !name.contains("="));
+    return name.startsWith(".") || name.startsWith("_");
   }
 
   /**
@@ -312,10 +309,13 @@ public final class Cmroot {
     }
     for (File f : children) {
       String n = f.getName();
-      if (isHiddenName(n)) { // Spark's and Hive's staging names are all hidden ones
+      boolean isDir = f.isDirectory();
+      // Spark's and Hive's staging names are all hidden ones. As Spark's file index has it,
+      // a directory `_src=1` is a partition all the same (Hive's, listed by the catalog).
+      if (isHiddenName(n) && !(isDir && n.startsWith("_") && n.contains("="))) {
         continue;
       }
-      if (f.isDirectory()) {
+      if (isDir) {
         if (recursive) {
           out.addAll(dataFiles(f, true, mark));
         }
@@ -558,6 +558,26 @@ public final class Cmroot {
     return out;
   }
 
+  /**
+   * Is `dir` the place Spark and Hive give the partition `spec` by default: the k=v/...
+   * path of exactly its values, in order, right below `location`?
+   */
+  static boolean isDefaultPartitionDir(String dir, String location, Map<String, String> spec) {
+    if (location == null || dir.equals(location) || !under(dir, location)) {
+      return false;
+    }
+    String[] segs = dir.substring(location.replaceAll("/+$", "").length() + 1).split("/");
+    Map<String, String> parsed = new LinkedHashMap<>();
+    for (String seg : segs) {
+      int eq = seg.indexOf('=');
+      if (eq <= 0) {
+        return false;
+      }
+      parsed.put(unescape(seg.substring(0, eq)), unescape(seg.substring(eq + 1)));
+    }
+    return segs.length == spec.size() && parsed.equals(spec);
+  }
+
   static String unescape(String s) {
     if (s.indexOf('%') < 0) {
       return s;
@@ -672,12 +692,14 @@ public final class Cmroot {
 
     /** The partition ({k: v}) `path` belongs to, in the table's directory or a custom one. */
     Map<String, String> partitionOf(String path, boolean isDir) {
-      for (Map.Entry<String, Map<String, String>> d : partitionDirs.entrySet()) {
-        if (under(path, d.getKey())) {
-          return d.getValue();
+      String deepest = null; // a partition's location may lie inside another's
+      for (String d : partitionDirs.keySet()) {
+        if (under(path, d) && (deepest == null || d.length() > deepest.length())) {
+          deepest = d;
         }
       }
-      return Cmroot.partitionOf(path, location, isDir);
+      return deepest != null ? partitionDirs.get(deepest)
+          : Cmroot.partitionOf(path, location, isDir);
     }
 
     /**

@@ -212,8 +212,7 @@ final class CmrootCommands {
           catalog.listPartitions(qualified, Option.empty()))) {
         String dir = Cmroot.localPath(String.valueOf(p.location()));
         Map<String, String> spec = CollectionConverters.asJava(p.spec());
-        if (dir != null && (location == null || !Cmroot.under(dir, location)
-            || !spec.equals(Cmroot.partitionOf(dir, location, true)))) {
+        if (dir != null && !Cmroot.isDefaultPartitionDir(dir, location, spec)) {
           out.put(dir, spec);
         }
       }

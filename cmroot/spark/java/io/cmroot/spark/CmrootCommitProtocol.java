@@ -209,7 +209,9 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     Set<String> parts = new LinkedHashSet<>();
     for (String f : Cmroot.dataFiles(new File(base), true, null)) {
       String rel = new File(f).getParent().substring(base.length()).replaceAll("^/+", "");
-      if (!rel.isEmpty()) {
+      // Hive's load skips a hidden directory (`_p=1`): it replaces no partition there.
+      if (!rel.isEmpty() && java.util.Arrays.stream(rel.split("/"))
+          .noneMatch(Cmroot::isHiddenName)) {
         parts.add(rel);
       }
     }
