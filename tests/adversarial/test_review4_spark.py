@@ -68,6 +68,19 @@ def attempt(lake: Lake, statement: str) -> tuple[str | None, list[dict[str, Any]
     return err, lake.daemon.events_after(since)
 
 
+def kept(root: Path) -> dict[str, bytes]:
+    """The data files under `root` with their bytes: regular files only (no FIFO is opened),
+    hidden file names skipped, every directory walked (a table may live in a directory of
+    any name)."""
+    out: dict[str, bytes] = {}
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            if not n.startswith((".", "_")) and os.path.isfile(p) and not os.path.islink(p):
+                out[p] = Path(p).read_bytes()
+    return out
+
+
 def unrecoverable(lake: Lake, files: dict[str, bytes]) -> list[tuple[str, str]]:  # noqa: F811
     """The (path, status) of each file that is neither at its path with those bytes nor in
     the cmroot by (path, checksum): lost."""

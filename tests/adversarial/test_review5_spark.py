@@ -21,6 +21,7 @@ from tests.adversarial.test_review4_spark import (
     attempt,
     brief,
     data_only,
+    kept,
     replica_diff,
     rows,
     staging,
@@ -41,17 +42,6 @@ def tdir(lake: Lake, table: str) -> Path:  # noqa: F811
 def parts(lake: Lake, table: str) -> list[str]:  # noqa: F811
     return sorted(str(r[0]) for r in lake.sql(f"SHOW PARTITIONS {DB}.{table}"))
 
-
-def kept(lake: Lake, root: Path) -> dict[str, bytes]:  # noqa: F811
-    """The data files under `root` with their bytes (regular files only: no FIFO is
-    opened; hidden names skipped)."""
-    out: dict[str, bytes] = {}
-    for dirpath, _, names in os.walk(root):
-        for n in names:
-            p = os.path.join(dirpath, n)
-            if not n.startswith((".", "_")) and os.path.isfile(p) and not os.path.islink(p):
-                out[p] = Path(p).read_bytes()
-    return out
 
 
 # -- 1. a full spec spelled differently from Spark's cast: the exact match wins -------------
@@ -90,11 +80,11 @@ def test_full_spec_spelled_as_another_stored_partition_drops_only_sparks_match(
         lake.sql(f"ALTER TABLE {DB}.{name}_twin DROP PARTITION ({spec})")
     assert parts(lake, name + "_twin") == [odd_dir]  # Spark alone: the typed match went
     make(name)
-    odd_files = kept(lake, tdir(lake, name) / odd_dir)
+    odd_files = kept(tdir(lake, name) / odd_dir)
     err, events = attempt(lake, f"ALTER TABLE {DB}.{name} DROP PARTITION ({spec})")
     assert err is None, err
     assert parts(lake, name) == [odd_dir]
-    assert kept(lake, tdir(lake, name) / odd_dir) == odd_files, brief(events)
+    assert kept(tdir(lake, name) / odd_dir) == odd_files, brief(events)
     dropped = {f["path"] for e in events for f in e["files"]}
     assert not dropped & set(odd_files), brief(events)
 
@@ -120,7 +110,7 @@ def test_overwrite_of_a_partition_at_a_temporary_shaped_location_recycles_it(
     loc = lake.warehouse / f"{DB}.db" / f"{name}_parts" / "_temporary" / "7"
     lake.sql(f"ALTER TABLE {DB}.{name} ADD PARTITION (p=7) LOCATION '{loc}'")
     lake.sql(f"INSERT INTO {DB}.{name} PARTITION (p=7) VALUES (1)")
-    old = kept(lake, loc)
+    old = kept(loc)
     assert old and rows(lake, f"SELECT a, p FROM {DB}.{name}") == [(1, 7)]
     err, events = attempt(lake, f"INSERT OVERWRITE TABLE {DB}.{name} PARTITION (p=7) "
                                 "SELECT 2")
@@ -221,10 +211,10 @@ def test_failed_load_overwrite_of_a_same_named_file_puts_the_old_file_back(
     (src / "000000_0").write_text("2\n")
     (src / "sub").mkdir()
     os.mkfifo(src / "sub" / "pipe")
-    before_dst = kept(lake, dst)
-    before_src = kept(lake, src)
+    before_dst = kept(dst)
+    before_src = kept(src)
     err, events = attempt(lake, f"LOAD DATA INPATH '{src}/*' OVERWRITE INTO TABLE {DB}.lovd")
-    after = {"dst": kept(lake, dst), "src": kept(lake, src)}
+    after = {"dst": kept(dst), "src": kept(src)}
     if err is None:  # a load that succeeds must have kept dst's old file
         assert unrecoverable(lake, before_dst) == [], brief(events)
         return

@@ -11,7 +11,6 @@ describes is present. "Probe" tests pass and pin a sequence."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from tests.adversarial.test_review4_spark import (
     attempt,
     brief,
     data_only,
+    kept,
     replica_diff,
     rows,
     staging,
@@ -43,17 +43,6 @@ def tdir(lake: Lake, table: str) -> Path:  # noqa: F811
 def parts(lake: Lake, table: str) -> list[str]:  # noqa: F811
     return sorted(str(r[0]) for r in lake.sql(f"SHOW PARTITIONS {DB}.{table}"))
 
-
-def kept(lake: Lake, root: Path) -> dict[str, bytes]:  # noqa: F811
-    """The data files under `root` with their bytes (regular files only; hidden names
-    skipped)."""
-    out: dict[str, bytes] = {}
-    for dirpath, _, names in os.walk(root):
-        for n in names:
-            p = os.path.join(dirpath, n)
-            if not n.startswith((".", "_")) and os.path.isfile(p) and not os.path.islink(p):
-                out[p] = Path(p).read_bytes()
-    return out
 
 
 def hook_off(lake: Lake) -> Any:  # noqa: F811
@@ -87,11 +76,11 @@ def test_drop_partition_with_a_wildcard_character_drops_what_spark_drops(
         lake.sql(f"ALTER TABLE {DB}.{name}_twin DROP PARTITION ({spec})")
     twin_left = parts(lake, name + "_twin")
     make(name)
-    before = kept(lake, tdir(lake, name))
+    before = kept(tdir(lake, name))
     err, events = attempt(lake, f"ALTER TABLE {DB}.{name} DROP PARTITION ({spec})")
     assert err is None, err
     assert parts(lake, name) == twin_left
-    after = kept(lake, tdir(lake, name))
+    after = kept(tdir(lake, name))
     gone = {p: b for p, b in before.items() if p not in after}
     assert unrecoverable(lake, gone) == [], brief(events)
     assert {p: b for p, b in before.items() if p in after} == after
@@ -115,7 +104,7 @@ def test_overwrite_of_a_table_located_at_a_temporary_shaped_place(
     loc = lake.warehouse / f"{DB}.db" / name / "_temporary" / "7"
     lake.sql(f"CREATE TABLE {DB}.{name} (a INT) {fmt} LOCATION '{loc}'")
     lake.sql(f"INSERT INTO {DB}.{name} VALUES (1)")
-    old = kept(lake, loc)
+    old = kept(loc)
     assert old and rows(lake, f"SELECT a FROM {DB}.{name}") == [(1,)]
     with app_conf(lake.spark, "spark.hadoop.mapreduce.fileoutputcommitter.algorithm.version",
                   "2" if v2 else "1"):
@@ -123,7 +112,7 @@ def test_overwrite_of_a_table_located_at_a_temporary_shaped_place(
     assert err is None, err
     assert rows(lake, f"SELECT a FROM {DB}.{name}") == [(2,)], brief(events)
     assert unrecoverable(lake, old) == [], brief(events)
-    assert replica_diff(set(old), set(kept(lake, loc)), events) == ([], []), brief(events)
+    assert replica_diff(set(old), set(kept(loc)), events) == ([], []), brief(events)
 
 
 @pytest.mark.parametrize("fmt", ["USING parquet", "STORED AS TEXTFILE"])
@@ -141,7 +130,7 @@ def test_dynamic_overwrite_of_a_partitioned_table_at_a_temporary_shaped_place(
     lake.sql(f"CREATE TABLE {DB}.{name} {cols} LOCATION '{loc}'")
     lake.sql(f"INSERT INTO {DB}.{name} PARTITION (p=1) VALUES (1)")
     lake.sql(f"INSERT INTO {DB}.{name} PARTITION (p=2) VALUES (2)")
-    old1, old2 = kept(lake, loc / "p=1"), kept(lake, loc / "p=2")
+    old1, old2 = kept(loc / "p=1"), kept(loc / "p=2")
     with app_conf(lake.spark, "spark.sql.sources.partitionOverwriteMode", "dynamic"):
         lake.sql("SET spark.sql.sources.partitionOverwriteMode=dynamic")
         lake.sql("SET hive.exec.dynamic.partition.mode=nonstrict")
@@ -152,7 +141,7 @@ def test_dynamic_overwrite_of_a_partitioned_table_at_a_temporary_shaped_place(
             lake.sql("SET spark.sql.sources.partitionOverwriteMode=static")
     assert err is None, err
     assert rows(lake, f"SELECT a, p FROM {DB}.{name}") == [(2, 2), (9, 1)], brief(events)
-    assert kept(lake, loc / "p=2") == old2
+    assert kept(loc / "p=2") == old2
     assert unrecoverable(lake, old1) == [], brief(events)
 
 
@@ -172,12 +161,12 @@ def test_hive_overwrite_of_a_table_whose_location_contains_hive_staging(
         lake.sql(f"INSERT OVERWRITE TABLE {DB}.hstg_twin SELECT 2")
     assert rows(lake, f"SELECT a FROM {DB}.hstg_twin") == [(2,)]
     loc = lake.warehouse / f"{DB}.db" / "hstg.hive-staging" / "t"
-    old = kept(lake, loc)
+    old = kept(loc)
     err, events = attempt(lake, f"INSERT OVERWRITE TABLE {DB}.hstg SELECT 2")
     assert err is None, err
     assert rows(lake, f"SELECT a FROM {DB}.hstg") == [(2,)], brief(events)
     assert unrecoverable(lake, old) == [], brief(events)
-    assert replica_diff(set(old), set(kept(lake, loc)), events) == ([], []), brief(events)
+    assert replica_diff(set(old), set(kept(loc)), events) == ([], []), brief(events)
 
 
 # -- 3. LOAD DATA INPATH keeps what it takes from another table ---------------------------
@@ -199,7 +188,7 @@ def test_load_data_from_a_table_located_at_a_temporary_shaped_place_keeps_its_fi
     src = lake.warehouse / f"{DB}.db" / "ldtsrc" / "_temporary" / "7"
     lake.sql(f"CREATE TABLE {DB}.ldtsrc (a INT) STORED AS TEXTFILE LOCATION '{src}'")
     lake.sql(f"INSERT INTO {DB}.ldtsrc VALUES (5)")
-    old = kept(lake, src)
+    old = kept(src)
     assert old
     err, events = attempt(lake, f"LOAD DATA INPATH '{src}' INTO TABLE {DB}.ldtdst")
     assert err is None, err
@@ -220,10 +209,10 @@ def test_load_data_into_a_datasource_table_is_refused_and_records_nothing(
     lake.sql(f"CREATE TABLE {DB}.ldssrc (a INT) STORED AS TEXTFILE")
     lake.sql(f"INSERT INTO {DB}.ldssrc VALUES (5)")
     src = tdir(lake, "ldssrc")
-    before = kept(lake, src)
+    before = kept(src)
     err, events = attempt(lake, f"LOAD DATA INPATH '{src}' INTO TABLE {DB}.ldsdst")
     assert err is not None
-    assert kept(lake, src) == before
+    assert kept(src) == before
     assert events == [] and staging(lake) == [], brief(events)
 
 
@@ -245,7 +234,7 @@ def test_load_data_of_a_directory_holding_a_staging_shaped_subdirectory(
     sub = src / "run_hive_2024-01-05_10-00-00_000_123-1"
     sub.mkdir()
     (sub / "b.txt").write_text("2\n")
-    before = kept(lake, src)
+    before = kept(src)
     err, events = attempt(lake, f"LOAD DATA INPATH '{src}' INTO TABLE {DB}.ldhdst")
     assert err is None, err
     after = data_only(tdir(lake, "ldhdst"))
@@ -261,7 +250,7 @@ def test_load_data_from_another_tables_directory_baseline(lake: Lake, db: str) -
     lake.sql(f"CREATE TABLE {DB}.ldbsrc (a INT) STORED AS TEXTFILE")
     lake.sql(f"INSERT INTO {DB}.ldbsrc VALUES (5)")
     src = tdir(lake, "ldbsrc")
-    before = kept(lake, src)
+    before = kept(src)
     err, events = attempt(lake, f"LOAD DATA INPATH '{src}' INTO TABLE {DB}.ldbdst")
     assert err is None, err
     assert unrecoverable(lake, before) == [], brief(events)

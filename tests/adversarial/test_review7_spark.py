@@ -24,6 +24,7 @@ pytest.importorskip("pyspark")
 from tests.adversarial.test_review4_spark import (
     attempt,
     brief,
+    kept,
     replica_diff,
     rows,
     staging,
@@ -44,17 +45,6 @@ HIVE_STG = "stg_hive_2024-01-01_00-00-00_000_1-1"
 def tdir(lake: Lake, table: str) -> Path:  # noqa: F811
     return lake.warehouse / f"{DB}.db" / table
 
-
-def kept(root: Path) -> dict[str, bytes]:
-    """The data files under `root` with their bytes (regular files only; hidden FILE names
-    skipped, every directory walked: a table may live in a directory of any name)."""
-    out: dict[str, bytes] = {}
-    for dirpath, _, names in os.walk(root):
-        for n in names:
-            p = os.path.join(dirpath, n)
-            if not n.startswith((".", "_")) and os.path.isfile(p) and not os.path.islink(p):
-                out[p] = Path(p).read_bytes()
-    return out
 
 
 def hook_off(lake: Lake) -> Any:  # noqa: F811
@@ -111,6 +101,24 @@ def test_load_data_moves_a_nested_staging_shaped_directory_it_never_kept(
     assert replica_diff(set(before), after, events) == ([], []), brief(events)
 
 
+
+def overwrite_partition_at(lake: Lake, table: str, tloc: Path, fmt: str, where: str) -> None:  # noqa: F811
+    """CREATE `table` (`fmt`, partitioned by p); ADD PARTITION (p=7) LOCATION
+    '<tloc>/<where>'; INSERT a row into it; INSERT OVERWRITE it. Asserts the table then
+    holds only the new row and the old file resolves by (path, checksum) (invariant 1)."""
+    cols = "(a INT, p INT) USING parquet PARTITIONED BY (p)" if fmt.startswith("USING") \
+        else "(a INT) PARTITIONED BY (p INT) STORED AS TEXTFILE"
+    lake.sql(f"CREATE TABLE {table} {cols}")
+    loc = tloc / where
+    lake.sql(f"ALTER TABLE {table} ADD PARTITION (p=7) LOCATION '{loc}'")
+    lake.sql(f"INSERT INTO {table} PARTITION (p=7) VALUES (1)")
+    old = kept(loc)
+    assert old and rows(lake, f"SELECT a, p FROM {table}") == [(1, 7)]
+    err, events = attempt(lake, f"INSERT OVERWRITE TABLE {table} PARTITION (p=7) SELECT 2")
+    assert err is None, err
+    assert rows(lake, f"SELECT a, p FROM {table}") == [(2, 7)], brief(events)
+    assert unrecoverable(lake, old) == [], brief(events)
+
 # -- 2. a partition located INSIDE its table at a temporary-shaped place -------------------
 
 @pytest.mark.parametrize(("fmt", "where"), [
@@ -135,19 +143,7 @@ def test_overwrite_of_a_partition_located_inside_its_table_at_a_temporary_shaped
     recordInsert's Cmroot.dataFiles skips `_temporary` / `.spark-staging-...` too).
     Expected: t holds (2, 7) and the old file resolves by (path, checksum) (invariant 1)."""
     name = "pin_" + fmt.split()[-1].lower()[:4] + "_" + where[:3].strip("./_")
-    cols = "(a INT, p INT) USING parquet PARTITIONED BY (p)" if fmt.startswith("USING") \
-        else "(a INT) PARTITIONED BY (p INT) STORED AS TEXTFILE"
-    lake.sql(f"CREATE TABLE {DB}.{name} {cols}")
-    loc = tdir(lake, name) / where
-    lake.sql(f"ALTER TABLE {DB}.{name} ADD PARTITION (p=7) LOCATION '{loc}'")
-    lake.sql(f"INSERT INTO {DB}.{name} PARTITION (p=7) VALUES (1)")
-    old = kept(loc)
-    assert old and rows(lake, f"SELECT a, p FROM {DB}.{name}") == [(1, 7)]
-    err, events = attempt(lake, f"INSERT OVERWRITE TABLE {DB}.{name} PARTITION (p=7) "
-                                "SELECT 2")
-    assert err is None, err
-    assert rows(lake, f"SELECT a, p FROM {DB}.{name}") == [(2, 7)], brief(events)
-    assert unrecoverable(lake, old) == [], brief(events)
+    overwrite_partition_at(lake, f"{DB}.{name}", tdir(lake, name), fmt, where)
 
 
 # -- 3. a table located inside another one at `_temporary/7` -------------------------------

@@ -25,10 +25,12 @@ pytest.importorskip("pyspark")
 from tests.adversarial.test_review4_spark import (
     attempt,
     brief,
+    kept,
     rows,
     staging,
     unrecoverable,
 )
+from tests.adversarial.test_review7_spark import overwrite_partition_at
 from tests.spark.conftest import lake  # noqa: F401 - the module's daemon and session
 from tests.spark.sparklib import Lake, app_conf
 
@@ -44,17 +46,6 @@ ADDING = ("INSERT", "ADD_PARTITION", "CREATE_TABLE", "ALTER_LOCATION")
 def tdir(lake: Lake, table: str) -> Path:  # noqa: F811
     return lake.warehouse / f"{DB}.db" / table
 
-
-def kept(root: Path) -> dict[str, bytes]:
-    """The data files under `root` with their bytes (regular files only; hidden FILE names
-    skipped, every directory walked)."""
-    out: dict[str, bytes] = {}
-    for dirpath, _, names in os.walk(root):
-        for n in names:
-            p = os.path.join(dirpath, n)
-            if not n.startswith((".", "_")) and os.path.isfile(p) and not os.path.islink(p):
-                out[p] = Path(p).read_bytes()
-    return out
 
 
 def contents(d: Path) -> list[bytes]:
@@ -111,19 +102,7 @@ def test_overwrite_of_a_partition_at_a_temporary_shaped_place_ending_in_its_kv_p
     INSERT_OVERWRITE event). Expected: t holds (2, 7) and the old file resolves by (path,
     checksum) (invariant 1)."""
     name = "pkv_" + fmt.split()[-1].lower()[:4] + "_" + where[:3].strip("./_")
-    cols = "(a INT, p INT) USING parquet PARTITIONED BY (p)" if fmt.startswith("USING") \
-        else "(a INT) PARTITIONED BY (p INT) STORED AS TEXTFILE"
-    lake.sql(f"CREATE TABLE {DB}.{name} {cols}")
-    loc = tdir(lake, name) / where
-    lake.sql(f"ALTER TABLE {DB}.{name} ADD PARTITION (p=7) LOCATION '{loc}'")
-    lake.sql(f"INSERT INTO {DB}.{name} PARTITION (p=7) VALUES (1)")
-    old = kept(loc)
-    assert old and rows(lake, f"SELECT a, p FROM {DB}.{name}") == [(1, 7)]
-    err, events = attempt(lake, f"INSERT OVERWRITE TABLE {DB}.{name} PARTITION (p=7) "
-                                "SELECT 2")
-    assert err is None, err
-    assert rows(lake, f"SELECT a, p FROM {DB}.{name}") == [(2, 7)], brief(events)
-    assert unrecoverable(lake, old) == [], brief(events)
+    overwrite_partition_at(lake, f"{DB}.{name}", tdir(lake, name), fmt, where)
 
 
 # -- 2. `_x=1`: data to the hook now, hidden to Hive ---------------------------------------

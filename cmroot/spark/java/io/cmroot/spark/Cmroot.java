@@ -567,15 +567,12 @@ public final class Cmroot {
       return false;
     }
     String[] segs = dir.substring(location.replaceAll("/+$", "").length() + 1).split("/");
-    Map<String, String> parsed = new LinkedHashMap<>();
     for (String seg : segs) {
-      int eq = seg.indexOf('=');
-      if (eq <= 0) {
-        return false;
+      if (seg.indexOf('=') <= 0) {
+        return false; // partitionOf skips such a segment; here it makes the place custom
       }
-      parsed.put(unescape(seg.substring(0, eq)), unescape(seg.substring(eq + 1)));
     }
-    return segs.length == spec.size() && parsed.equals(spec);
+    return segs.length == spec.size() && partitionOf(dir, location, true).equals(spec);
   }
 
   static String unescape(String s) {
