@@ -91,7 +91,7 @@ class Store:
         return cls(config.store, Index(config.index_path), clock, readonly)
 
     def close(self) -> None:
-        self.objects.close()
+        self.recycler.close()
         self.index.close()
         if self._lock_fd is not None:
             self.layout.unlock(self._lock_fd)

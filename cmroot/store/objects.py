@@ -14,8 +14,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 
 from cmroot import checksum as cks
 from cmroot.exceptions import Conflict
@@ -31,31 +30,6 @@ class Objects:
         self.index = index
         self._lock = threading.Lock()
         self._claims: dict[str, set[str]] = {}
-        self._shards = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cmroot-shards")
-
-    def close(self) -> None:
-        """Wait for the shard directories being made (none is made after the store closes)."""
-        self._shards.shutdown(wait=True)
-
-    def make_shards_soon(self, checksums: Iterable[str]) -> None:
-        """Make the shard directories of these objects-to-be in the background: a prepared
-        transaction's objects are published at its commit, and making their directories
-        meanwhile (while the rest is hashed, then while the statement runs) keeps that work
-        off the commit. Shards are never removed, so one made for a transaction that is
-        rolled back just waits for a later object; one that could not be made is made (or
-        reported) by the publish."""
-        wanted = sorted({c for c in checksums if c})
-        if wanted:
-            self._shards.submit(self._make_shards, wanted)
-
-    def _make_shards(self, checksums: list[str]) -> None:
-        for c in checksums:
-            if not os.path.isdir(os.path.dirname(self.layout.object_path(c))):
-                try:
-                    self.layout.make_shard(c)
-                except OSError as e:
-                    log.debug("shard directory not made ahead", extra={"error": str(e)})
-                    return
 
     def publish(self, txid: str, checksum: str, staged: str, private: bool = False) -> bool:
         """Make `staged` available as object `checksum`; True if this created the object.
@@ -131,6 +105,11 @@ class Objects:
             "stored object was corrupt: replaced by the same content recycled again",
             extra={"checksum": checksum, "quarantined": bad},
         )
+
+    def claim(self, txid: str, checksum: str) -> None:
+        """Claim an object `txid` published before a restart (claims live in memory)."""
+        with self._lock:
+            self._claims.setdefault(checksum, set()).add(txid)
 
     def release(self, txid: str, checksums: set[str]) -> None:
         with self._lock:

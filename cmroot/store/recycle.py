@@ -8,7 +8,9 @@ failure or crash in between leaves):
    data copied, no symlink followed), or copy it there with fsync and re-verify (copy
    mode, another filesystem, an object store);
 3. hash the staged bytes and publish them under their checksum (a hard link,
-   deduplicated only after a byte-for-byte comparison);
+   deduplicated only after a byte-for-byte comparison). A prepared recycle publishes in
+   the background while its statement runs (an object no entry names is served to no
+   one), so that its commit only records;
 4. flush the filesystem, then record entries, objects and the event and mark the
    transaction committed in one SQLite transaction;
 5. clean up (staging names, copied sources, emptied directories), journaled: a crash
@@ -28,7 +30,7 @@ import sqlite3
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -50,7 +52,7 @@ from cmroot.store.journal import Item, Journal, Sessions, entries_of
 from cmroot.store.layout import Layout, sync_filesystem
 from cmroot.store.objects import Objects
 from cmroot.store.warehouse import Root, Warehouse
-from cmroot.vocab import DESTRUCTIVE, Method, Mode, TxState
+from cmroot.vocab import DESTRUCTIVE, FileState, Method, Mode, TxState
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +199,18 @@ class _Statement:
 
 
 @dataclass
+class _Ahead:
+    """One prepared part's objects being published by the background publisher while its
+    statement runs. `published`: the files (by seq) whose object is in place; `flushed`:
+    every one of them, and the whole part, is durable (syncfs after the last link)."""
+
+    items: list[Item]
+    published: set[int] = field(default_factory=set)
+    flushed: bool = False
+    future: Future[None] | None = None
+
+
+@dataclass
 class Recycler:
     layout: Layout
     index: Index
@@ -212,29 +226,39 @@ class Recycler:
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
         self._statements: dict[str, _Statement] = {}  # of prepared transactions joined to
+        # Parts published ahead of their commit, by txid; read and changed under the
+        # transaction's lock, which waits for them (`_tx_lock`).
+        self._ahead: dict[str, list[_Ahead]] = {}
+        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cmroot-publish")
+
+    def close(self) -> None:
+        """Wait for the objects being published ahead (none starts after this)."""
+        self._publisher.shutdown(wait=True)
 
     def recycle(self, req: RecycleRequest, progress: Progress | None = None) -> RecycleResult:
         req, mode, items, dirs = self._plan(req, txid := uuid.uuid4().hex, 0)
         now = self.clock()
 
-        def stage() -> None:
+        def stage() -> bool:
             self.journal.begin(txid, now, mode, req.to_json(), dirs, items)
             with self.journal.sessions() as sessions:
                 self._stage_all(txid, items, sessions, progress, publish=True)
             faults.point("recycle.staged")
+            return True
 
         return self._complete(txid, req, mode, items, dirs, now, stage)
 
     def _complete(
         self, txid: str, req: RecycleRequest, mode: Mode, items: list[Item], dirs: Sequence[str],
-        now: float, publish: Callable[[], None],
+        now: float, publish: Callable[[], bool],
     ) -> RecycleResult:
-        """Run `publish` (whatever makes every file an object), flush, then record the
-        event and entries and mark the transaction committed; any failure rolls it all
-        back. Clean-up follows the commit."""
+        """Run `publish` (whatever makes every file an object; True unless what it did is
+        already durable), flush, then record the event and entries and mark the
+        transaction committed; any failure rolls it all back. Clean-up follows the
+        commit."""
         try:
-            publish()
-            sync_filesystem(self.layout.root)
+            if publish():
+                sync_filesystem(self.layout.root)
             faults.point("recycle.flushed")
             event_id = self.journal.commit(txid, mode, self._event(req, items, now),
                                            self._entries(req, items, now), items)
@@ -385,8 +409,6 @@ class Recycler:
                 except BaseException:
                     failed.set()
                     raise
-            if not publish:  # their objects are published at the commit
-                self.objects.make_shards_soon(it.checksum or "" for it in chunk)
             if progress:
                 with done_lock:
                     done += len(chunk)
@@ -555,6 +577,25 @@ class Recycler:
             self._abort(txid, req, lambda: [*earlier(), *items], self.clock(), e)
             raise
         faults.point("recycle.prepared")
+        ahead = _Ahead(items)
+        ahead.future = self._publisher.submit(self._publish_ahead, txid, ahead)
+        self._ahead.setdefault(txid, []).append(ahead)
+
+    def _publish_ahead(self, txid: str, ahead: _Ahead) -> None:
+        """Publish a prepared part's objects and flush them while its statement goes on
+        (its metastore transaction, its job commit), so that the commit only records.
+        Nothing here is final: the objects are claimed, no entry names them, and a
+        rollback removes them as it would a failed commit's. A failure only leaves the
+        rest to the commit, which reports it."""
+        try:
+            for it in ahead.items:
+                self._publish(txid, it, os.lstat(it.staged).st_nlink)
+                ahead.published.add(it.seq)
+            sync_filesystem(self.layout.root)
+            ahead.flushed = True
+        except Exception as e:
+            log.debug("objects not published ahead; the commit will",
+                      extra={"txid": txid, "error": str(e)})
 
     def commit(self, txid: str) -> RecycleResult:
         """Publish a prepared transaction's files and record them with their one event.
@@ -570,10 +611,19 @@ class Recycler:
                 )
             tx = self._prepared(txid)
             items = self.journal.items_of(tx)
+            ahead = self._ahead.pop(txid, [])
+            done = {seq for a in ahead for seq in a.published}
 
-            def publish() -> None:
+            def publish() -> bool:
                 for it in items:
-                    self._publish(txid, it, os.lstat(it.staged).st_nlink)
+                    if it.seq in done:
+                        continue
+                    if self.journal.observe(it) == FileState.PUBLISHED:
+                        # Published ahead by this daemon before a restart: claim it again.
+                        self.objects.claim(txid, it.checksum or "")
+                    else:
+                        self._publish(txid, it, os.lstat(it.staged).st_nlink)
+                return len(done) < len(items) or not all(a.flushed for a in ahead)
 
             return self._complete(txid, RecycleRequest.from_json(tx.request), Mode(tx.mode),
                                   items, tx.dirs, self.clock(), publish)
@@ -676,6 +726,9 @@ class Recycler:
         with self._locks_lock:
             lock = self._locks.setdefault(txid, threading.Lock())
         with lock:
+            # A part still being published ahead finishes first: a join, commit or
+            # rollback then sees every file where the journal and the disk say it is.
+            wait([a.future for a in self._ahead.get(txid, []) if a.future is not None])
             try:
                 yield
             finally:
@@ -683,6 +736,7 @@ class Recycler:
                     state = self.index.tx_state(txid)
                     if state != TxState.PREPARED:  # committed, rolled back or quarantined
                         self._statements.pop(txid, None)
+                        self._ahead.pop(txid, None)
                     if state is None:
                         self._locks.pop(txid, None)
 

@@ -154,13 +154,35 @@ def test_a_failure_at_commit_puts_every_file_back(
     p = store.prepare(_part(tdir, 1), txid=p.txid)
 
     def fail() -> None:
-        raise OSError(5, "injected failure while publishing")
+        raise OSError(5, "injected failure while flushing")
 
-    on_point(monkeypatch, "recycle.file_published", fail, k=2)
+    on_point(monkeypatch, "recycle.flushed", fail)
     with pytest.raises(CmrootError):
         store.commit(p.txid)
     _untouched(env, before, files)
     assert store.events() == []
+
+
+def test_objects_not_published_ahead_are_published_by_the_commit(
+    env: Env, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prepared part's objects are published in the background while its statement
+    runs; one that fails there (here the second file's) is left to the commit, which
+    publishes it and records every file."""
+    tdir, files = _table(env)
+
+    def fail() -> None:
+        raise OSError(28, "injected: no space left while publishing ahead")
+
+    on_point(monkeypatch, "recycle.file_published", fail, k=2)
+    p = store.prepare(_part(tdir, 0))
+    res = store.commit(p.txid)
+    moved = {k for k in files if "/p=0/" in k}
+    assert {f.path for f in res.files} == moved
+    assert [r.status for r in store.resolve(
+        [{"path": k, "checksum": cks.of_bytes(files[k])} for k in sorted(moved)]
+    )] == ["cmroot"] * len(moved)
+    assert os.listdir(env.staging_dir) == []
 
 
 def test_bad_lease_and_unknown_txid_are_refused(env: Env, store: Store) -> None:
@@ -204,7 +226,7 @@ TWO_PHASE_KILL_POINTS = (
     "recycle.prepared",  # first part prepared
     "recycle.file_staged@3",  # inside the second part (the join)
     "recycle.prepared@2",  # both parts prepared
-    "recycle.file_published@3",  # inside the commit
+    "recycle.file_published@3",  # publishing the second part ahead, the commit waiting
     "recycle.flushed",
     "journal.committed",
 )
