@@ -257,17 +257,32 @@ public final class Cmroot {
    * directory ({@code _temporary/7}) holds data all the same, and so does what is below it.
    */
   static boolean temporaryBelow(String base, String path) {
+    return temporaryEnd(base, path) >= 0;
+  }
+
+  /**
+   * Where the first temporary or staging name below `base` in `path` ends (the length of
+   * the prefix of `path` through it: {@code <base>/_temporary/0}, {@code <base>/.spark-
+   * staging-<uuid>}), or -1 if there is none.
+   */
+  static int temporaryEnd(String base, String path) {
     String[] segs = path.substring(base.length()).split("/");
+    int end = base.length();
     for (int i = 0; i < segs.length; i++) {
+      end += (i == 0 ? 0 : 1) + segs[i].length();
       if (isStagingName(segs[i])) {
-        return true;
+        return end;
       }
-      if (segs[i].equals("_temporary") && (i + 1 < segs.length
-          ? ATTEMPT.matcher(segs[i + 1]).matches() : isCommitterTemporary(new File(path)))) {
-        return true;
+      if (segs[i].equals("_temporary")) {
+        if (i + 1 < segs.length && ATTEMPT.matcher(segs[i + 1]).matches()) {
+          return end + 1 + segs[i + 1].length();
+        }
+        if (i + 1 == segs.length && isCommitterTemporary(new File(path))) {
+          return end;
+        }
       }
     }
-    return false;
+    return -1;
   }
 
   static boolean isStagingName(String seg) {
@@ -310,9 +325,9 @@ public final class Cmroot {
     for (File f : children) {
       String n = f.getName();
       boolean isDir = f.isDirectory();
-      // Spark's and Hive's staging names are all hidden ones. As Spark's file index has it,
-      // a directory `_src=1` is a partition all the same (Hive's, listed by the catalog).
-      if (isHiddenName(n) && !(isDir && n.startsWith("_") && n.contains("="))) {
+      // Spark's and Hive's staging names are all hidden ones, none with a '='. As Spark's
+      // file index has it, a directory `_src=1` or `.p=1` is a partition all the same.
+      if (isHiddenName(n) && !(isDir && n.indexOf('=') > 1)) {
         continue;
       }
       if (isDir) {
@@ -670,16 +685,45 @@ public final class Cmroot {
      * holds data all the same; a job's staging output inside the table does not.
      */
     boolean temporary(String path) {
-      boolean inside = false;
+      String deepest = deepestDir(path);
+      if (deepest == null) {
+        return isTemporary(path);
+      }
+      // Temporary if a temporary name, read from any of the directories holding the path,
+      // ends below the deepest of them: a partition registered at <t>/_temporary/7 is the
+      // attempt directory itself (data), one at <t>/_temporary holds the job's <t>/_temporary
+      // /0 output (not data).
       for (String d : dirs()) {
-        if (under(path, d)) {
-          if (!temporaryBelow(d, path)) {
-            return false;
-          }
-          inside = true;
+        if (under(path, d) && temporaryEnd(d, path) > deepest.length()) {
+          return true;
         }
       }
-      return inside || isTemporary(path);
+      return false;
+    }
+
+    /** The deepest of the table's directories (`dirs()`) holding `path`, or null. */
+    private String deepestDir(String path) {
+      String deepest = null;
+      for (String d : dirs()) {
+        if (under(path, d) && (deepest == null || d.length() > deepest.length())) {
+          deepest = d;
+        }
+      }
+      return deepest;
+    }
+
+    /**
+     * The table's directories strictly below `path`: what a delete of a temporary `path`
+     * (a job's clean-up of <t>/_temporary) must leave in place.
+     */
+    List<String> dirsBelow(String path) {
+      List<String> out = new ArrayList<>();
+      for (String d : dirs()) {
+        if (!d.equals(path) && under(d, path)) {
+          out.add(d);
+        }
+      }
+      return out;
     }
 
     /** The distinct partitions ({k: v}) `files` belong to, in the order first met. */
@@ -695,8 +739,31 @@ public final class Cmroot {
           deepest = d;
         }
       }
-      return deepest != null ? partitionDirs.get(deepest)
+      // A partition at its default place (k=v/... below the table) inside a custom location
+      // (the table's root, or another partition's k=v parent) is the deeper one.
+      int byDefault = defaultPlaceEnd(path, isDir);
+      return deepest != null && deepest.length() >= byDefault ? partitionDirs.get(deepest)
           : Cmroot.partitionOf(path, location, isDir);
+    }
+
+    /**
+     * The length of the default partition directory holding `path` (the run of k=v
+     * directories right below the table's location), or -1.
+     */
+    private int defaultPlaceEnd(String path, boolean isDir) {
+      if (location == null || !under(path, location) || path.equals(location)) {
+        return -1;
+      }
+      String base = location.replaceAll("/+$", "");
+      String[] segs = path.substring(base.length() + 1).split("/");
+      int n = isDir ? segs.length : segs.length - 1;
+      int end = -1;
+      int at = base.length();
+      for (int i = 0; i < n && segs[i].indexOf('=') > 0; i++) {
+        at += 1 + segs[i].length();
+        end = at;
+      }
+      return end;
     }
 
     /**

@@ -45,6 +45,9 @@ import scala.jdk.javaapi.CollectionConverters;
  * statement unprotected.
  */
 final class CmrootCommands {
+  // The partition value Spark and Hive write a NULL as (ExternalCatalogUtils).
+  private static final String DEFAULT_PARTITION = "__HIVE_DEFAULT_PARTITION__";
+
   private CmrootCommands() {}
 
   /** The context of `plan` when it is one of the statements cmroot wraps; else null. */
@@ -95,7 +98,9 @@ final class CmrootCommands {
       for (Map.Entry<String, Option<String>> e
           : CollectionConverters.asJava(c.partition()).entrySet()) {
         if (e.getValue().isDefined()) {
-          fixed.put(e.getKey(), e.getValue().get());
+          // PARTITION (p=NULL): Hive's default partition, as Spark names it on disk.
+          String v = e.getValue().get();
+          fixed.put(e.getKey(), v == null ? DEFAULT_PARTITION : v);
         }
       }
       return new Cmroot.Ctx(c.overwrite() ? "INSERT_OVERWRITE" : "INSERT", db(session, id),

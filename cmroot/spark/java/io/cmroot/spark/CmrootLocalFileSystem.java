@@ -237,6 +237,23 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     return delete(f, recursive, true);
   }
 
+  /** Delete `file` (at `f`) whole, but for the directories `keep` and the way to them. */
+  private boolean deleteAround(Path f, File file, List<String> keep) throws IOException {
+    String here = file.getPath();
+    if (keep.contains(here)) {
+      return true;
+    }
+    boolean onTheWay = keep.stream().anyMatch(k -> Cmroot.under(k, here));
+    if (!onTheWay || !Files.isDirectory(file.toPath(), LinkOption.NOFOLLOW_LINKS)) {
+      return super.delete(f, true);
+    }
+    File[] children = file.listFiles();
+    for (File c : children == null ? new File[0] : children) {
+      deleteAround(new Path(f, c.getName()), c, keep);
+    }
+    return true;
+  }
+
   /**
    * `ahead`: a data file of an overwrite may be staged with its directory's others (see
    * replacedByHive). Not for a move into the trash: Hadoop's Trash first checks that the file
@@ -252,8 +269,12 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
       return super.delete(f, recursive);
     }
     Cmroot.refuseRootRemoval(local, s, "the delete of");
-    if (!Cmroot.protectedPath(local, s, statementCtx())) {
-      return super.delete(f, recursive);
+    Cmroot.Ctx sctx = statementCtx();
+    if (!Cmroot.protectedPath(local, s, sctx)) {
+      // A job's clean-up of <t>/_temporary where the catalog placed a partition below it
+      // (<t>/_temporary/7): the job's leftovers go, the partition stays.
+      List<String> keep = sctx == null || !recursive ? List.of() : sctx.dirsBelow(local);
+      return keep.isEmpty() ? super.delete(f, recursive) : deleteAround(f, new File(local), keep);
     }
     refuseLate("delete", local);
     File file = new File(local);

@@ -127,8 +127,16 @@ final class CmrootTransaction {
     if (location != null) {
       body.put("location", location);
     }
-    if (!partitionLocations.isEmpty()) {
-      body.put("partitionLocations", partitionLocations);
+    // Only the partition locations this part reaches: one the daemon would refuse as a
+    // table's directory by the layout (<db>.db/<name>) then refuses only what recycles there.
+    List<String> reached = new ArrayList<>();
+    for (String d : partitionLocations) {
+      if (paths.stream().anyMatch(p -> Cmroot.under(p, d) || Cmroot.under(d, p))) {
+        reached.add(d);
+      }
+    }
+    if (!reached.isEmpty()) {
+      body.put("partitionLocations", reached);
     }
     body.put("prepare", true);
     body.put("lease", s.leaseSeconds);
