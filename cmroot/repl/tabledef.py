@@ -8,6 +8,7 @@ recreated as managed tables under the destination's warehouse."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from cmroot.exceptions import ReplError
@@ -50,9 +51,28 @@ def location(table_obj: dict[str, Any]) -> str | None:
     return str(loc).rstrip("/") if loc else None
 
 
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PROVIDER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
 def provider(table_obj: dict[str, Any]) -> str | None:
+    """The data source the table was created with (None: a Hive table). It is spliced
+    after USING, so only a (dotted) name is taken."""
     p = (table_obj.get("parameters") or {}).get("spark.sql.sources.provider")
-    return str(p) if p else None
+    if not p:
+        return None
+    if not _PROVIDER.fullmatch(str(p)):
+        raise ReplError(
+            "bad table provider",
+            f"{_name(table_obj)}: provider {str(p)[:80]!r} is not a data source name"
+            " (parquet, orc, org.apache.spark.sql.parquet, ...): the dump is damaged or was"
+            " not written by cmroot",
+        )
+    return str(p)
+
+
+def _name(table_obj: dict[str, Any]) -> str:
+    return f"{table_obj.get('db')}.{table_obj.get('table')}"
 
 
 def _spark_schema(params: dict[str, str]) -> dict[str, Any] | None:
@@ -77,9 +97,137 @@ def columns(table_obj: dict[str, Any]) -> list[tuple[str, str]]:
     if schema is not None:
         from pyspark.sql.types import StructType
 
-        return [(f.name, f.dataType.simpleString()) for f in StructType.fromJson(schema).fields]
+        if _has_udt(schema):
+            # pyspark imports a user-defined type's class named in the JSON: never from a dump.
+            raise ReplError("user-defined column type",
+                            f"{_name(table_obj)}: user-defined types are not replicated")
+        return [(f.name, _spark_type(f.dataType)) for f in StructType.fromJson(schema).fields]
     cols = list(table_obj.get("columns") or []) + list(table_obj.get("partitionKeys") or [])
-    return [(c["name"], c["type"]) for c in cols]
+    out = []
+    for c in cols:
+        try:
+            out.append((c["name"], _TypeParser(str(c["type"])).parse()))
+        except ValueError as e:
+            raise ReplError(
+                "bad column type",
+                f"{_name(table_obj)}: column type {str(c['type'])[:120]!r} of {c['name']!r}"
+                f" does not parse ({e}): the dump is damaged or was not written by cmroot",
+            ) from None
+    return out
+
+
+def _has_udt(node: Any) -> bool:
+    if isinstance(node, dict):
+        return node.get("type") == "udt" or any(_has_udt(v) for v in node.values())
+    return isinstance(node, list) and any(_has_udt(v) for v in node)
+
+
+def _spark_type(dt: Any) -> str:
+    """Spark SQL for a Spark type, nested field names quoted (simpleString() writes them
+    raw, so a name like `a:int>` would end the type early)."""
+    from pyspark.sql.types import ArrayType, MapType, StructType
+
+    if isinstance(dt, StructType):
+        return "struct<" + ",".join(
+            f"{quote(f.name)}:{_spark_type(f.dataType)}" for f in dt.fields) + ">"
+    if isinstance(dt, ArrayType):
+        return f"array<{_spark_type(dt.elementType)}>"
+    if isinstance(dt, MapType):
+        return f"map<{_spark_type(dt.keyType)},{_spark_type(dt.valueType)}>"
+    return str(dt.simpleString())
+
+
+class _TypeParser:
+    """A Hive column type (`decimal(10,2)`, `array<struct<a:int,b b:string>>`), parsed and
+    written back with every struct field name quoted: the only SQL a dump's type string
+    can become. Anything else (a clause after the type, a comment, unbalanced brackets)
+    raises ValueError."""
+
+    def __init__(self, text: str) -> None:
+        self.s = text
+        self.i = 0
+
+    def parse(self) -> str:
+        out = self._type()
+        self._ws()
+        if self.i != len(self.s):
+            raise ValueError(f"unexpected {self.s[self.i:self.i + 20]!r}")
+        return out
+
+    def _ws(self) -> None:
+        while self.i < len(self.s) and self.s[self.i].isspace():
+            self.i += 1
+
+    def _take(self, ch: str) -> bool:
+        self._ws()
+        if self.s.startswith(ch, self.i):
+            self.i += len(ch)
+            return True
+        return False
+
+    def _expect(self, ch: str) -> None:
+        if not self._take(ch):
+            raise ValueError(f"expected {ch!r} at {self.s[self.i:self.i + 20]!r}")
+
+    def _type(self) -> str:
+        self._ws()
+        m = _NAME.match(self.s, self.i)
+        if not m:
+            raise ValueError(f"expected a type at {self.s[self.i:self.i + 20]!r}")
+        self.i = m.end()
+        name = m.group().lower()
+        if name == "array":
+            self._expect("<")
+            inner = self._type()
+            self._expect(">")
+            return f"array<{inner}>"
+        if name == "map":
+            self._expect("<")
+            key = self._type()
+            self._expect(",")
+            value = self._type()
+            self._expect(">")
+            return f"map<{key},{value}>"
+        if name in ("struct", "uniontype"):
+            self._expect("<")
+            items: list[str] = []
+            while not self._take(">"):
+                if items:
+                    self._expect(",")
+                items.append(self._field() if name == "struct" else self._type())
+            return f"{name}<{','.join(items)}>"
+        if not self._take("("):
+            return name
+        args = [self._int()]
+        while self._take(","):
+            args.append(self._int())
+        self._expect(")")
+        return f"{name}({','.join(args)})"
+
+    def _int(self) -> str:
+        self._ws()
+        m = re.compile(r"\d{1,9}").match(self.s, self.i)
+        if not m:
+            raise ValueError(f"expected a number at {self.s[self.i:self.i + 20]!r}")
+        self.i = m.end()
+        return m.group()
+
+    def _field(self) -> str:
+        self._ws()
+        if self.s.startswith("`", self.i):
+            m = re.compile(r"`((?:[^`]|``)+)`").match(self.s, self.i)
+            if not m:
+                raise ValueError("unterminated `quoted` field name")
+            self.i = m.end()
+            name = m.group(1).replace("``", "`")
+        else:
+            m = re.compile(r"[^:,<>()`]+").match(self.s, self.i)
+            if not m or not m.group().strip():
+                raise ValueError(f"expected a field name at {self.s[self.i:self.i + 20]!r}")
+            self.i = m.end()
+            name = m.group().strip()
+        self._expect(":")
+        return f"{quote(name)}:{self._type()}"
 
 
 def user_properties(table_obj: dict[str, Any]) -> dict[str, str]:
