@@ -326,6 +326,10 @@ class Client:
     def current_event(self) -> int:
         return int(self._json("GET", "/v1/events/current")["id"])
 
+    def log_id(self) -> str:
+        """The identity of the daemon's event log (ids mean something only within it)."""
+        return str(self._json("GET", "/v1/events/current").get("log") or "")
+
     def add_event(self, event_type: str, **kw: Any) -> int:
         """POST /v1/events; kw: db, table, partitions, files, server, location, tableObj.
         A file given as {"path"} alone is hashed by the daemon."""

@@ -191,6 +191,10 @@ class EventLog(Base):
     def current_event_id(self) -> int:
         return int(self._query("SELECT coalesce(max(id), 0) FROM events")[0][0])
 
+    def log_id(self) -> str:
+        """The identity of this event log (random at the index's creation)."""
+        return str(self._query("SELECT value FROM settings WHERE key = 'log_id'", ())[0][0])
+
 
 class _FileRows:
     """The files of a range of events, one cursor in (event_id, seq) order, read lazily:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from cmroot.exceptions import ConfigError
 
-VERSION = 4
+VERSION = 5
 
 SCHEMA = """
 CREATE TABLE objects (
@@ -84,6 +84,12 @@ CREATE TABLE event_files (
     size     INTEGER NOT NULL,
     PRIMARY KEY (event_id, seq)
 ) WITHOUT ROWID;
+
+-- Facts about this index itself. `log_id`: the identity of its event log, random at
+-- creation; event ids mean something only within one log, so a replica records it and
+-- refuses dumps of another.
+CREATE TABLE settings (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+INSERT INTO settings VALUES ('log_id', lower(hex(randomblob(16))));
 
 -- The recycle journal: a transaction and, per file, where it is staged and how.
 CREATE TABLE txs (
@@ -228,8 +234,14 @@ def _v4(db: sqlite3.Connection) -> None:
     db.execute("CREATE UNIQUE INDEX events_txid ON events(txid) WHERE txid IS NOT NULL")
 
 
+def _v5(db: sqlite3.Connection) -> None:
+    """The event log's identity (see SCHEMA's `settings`)."""
+    db.execute("CREATE TABLE settings (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID")
+    db.execute("INSERT INTO settings VALUES ('log_id', lower(hex(randomblob(16))))")
+
+
 MIGRATIONS: list[tuple[int, Callable[[sqlite3.Connection], None]]] = [
-    (1, _v1), (2, _v2), (3, _v3), (4, _v4)
+    (1, _v1), (2, _v2), (3, _v3), (4, _v4), (5, _v5)
 ]
 
 

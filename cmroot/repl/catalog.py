@@ -13,6 +13,7 @@ from cmroot.repl.tabledef import literal, properties_sql, qualified, quote
 
 LAST_ID = "repl.last.id"  # Hive's key: the last source event applied here
 BOOTSTRAP = "cmroot.repl.bootstrap"  # the event id of the bootstrap this replica came from
+SOURCE = "cmroot.repl.source"  # the identity of the source's event log (Header.source)
 
 
 class Destination:

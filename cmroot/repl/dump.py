@@ -62,7 +62,8 @@ def dump(
         events, last = _events(client, db, table, from_id, to_id, limit, report)
         first = from_id
     tables = _table_metadata(events)
-    header = Header(kind, db, table, first, last, time.time(), client.url)
+    header = Header(kind, db, table, first, last, time.time(), client.url,
+                    source=client.log_id())
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(header.created))
     url = posixpath.join(to_dir.rstrip("/"), f"{header.scope}-{kind}-{first}-{last}-{stamp}")
     dumpdir.write(url, header, events, tables)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import posixpath
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import fsspec
@@ -101,6 +101,7 @@ class Header:
     files: int = 0
     bytes: int = 0
     format: int = FORMAT
+    source: str = ""  # the identity of the source's event log (GET /v1/events/current)
 
     @property
     def scope(self) -> str:
@@ -185,7 +186,9 @@ def read(url: str) -> Dump:
             "unsupported dump format", f"{url}: format {raw.get('format')}, this cmroot reads "
             f"{FORMAT}; load it with the cmroot version that wrote it"
         )
-    header = Header(**raw)
+    # Fields a later release of this format adds are ignored: readers skip what they lack.
+    known = {f.name for f in fields(Header)}
+    header = Header(**{k: v for k, v in raw.items() if k in known})
     with fs.open(posixpath.join(root, "events.parquet"), "rb") as f:
         ev = pq.read_table(f).to_pylist()
     with fs.open(posixpath.join(root, "files.parquet"), "rb") as f:

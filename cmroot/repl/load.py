@@ -29,7 +29,7 @@ from cmroot.client import Client
 from cmroot.durable import sync_filesystem
 from cmroot.exceptions import FileLost, ReplError
 from cmroot.repl import dumpdir, tabledef
-from cmroot.repl.catalog import BOOTSTRAP, LAST_ID, Destination
+from cmroot.repl.catalog import BOOTSTRAP, LAST_ID, SOURCE, Destination
 from cmroot.repl.dumpdir import Dump, DumpEvent
 from cmroot.repl.transfer import TEMP_PREFIX, Copied, Copy, copy_all, discard, publish
 
@@ -89,12 +89,15 @@ def _known(table_obj: dict[str, Any] | None, e: DumpEvent) -> dict[str, Any] | N
 
 
 def _last_applied(dest: Destination, db: str, table: str | None) -> int | None:
-    if table is None:
-        props = dest.db_properties(db) if dest.has_db(db) else {}
-    else:
-        props = dest.table_properties(db, table) if dest.has_table(db, table) else {}
-    value = props.get(LAST_ID)
+    value = _properties(dest, db, table).get(LAST_ID)
     return int(value) if value else None
+
+
+def _properties(dest: Destination, db: str, table: str | None) -> dict[str, str]:
+    """The replication properties of `db` (or `db.table`): empty if it does not exist."""
+    if table is None:
+        return dest.db_properties(db) if dest.has_db(db) else {}
+    return dest.table_properties(db, table) if dest.has_table(db, table) else {}
 
 
 class Loader:
@@ -143,6 +146,7 @@ class Loader:
 
     def _run(self) -> LoadResult:
         h = self.dump.header
+        self._check_replica()
         applied = _last_applied(self.dest, self.db, self.table)
         if applied is not None and applied >= h.last_event_id:
             log.info("dump already applied", extra={"dump": self.dump.url, "applied": applied})
@@ -175,17 +179,47 @@ class Loader:
     def _scope(self) -> str:
         return self.db if self.table is None else f"{self.db}.{self.table}"
 
+    def _check_replica(self) -> None:
+        """Refuse what would corrupt a replica: a dump of another source's event log (its
+        event ids mean nothing here), and an incremental dump into a target whose bootstrap
+        never finished (it holds part of a snapshot, and no id to continue from)."""
+        h = self.dump.header
+        props = _properties(self.dest, self.db, self.table)
+        have = props.get(SOURCE)
+        if have and h.source and have != h.source:
+            raise ReplError(
+                "the target is a replica of another source",
+                f"{self._scope()} replicates event log {have}; this dump is of event log"
+                f" {h.source} ({h.daemon_url}): load it under another name, or drop"
+                f" {self._scope()} and bootstrap it from this source",
+            )
+        if h.kind == "incremental" and props.get(BOOTSTRAP) and not props.get(LAST_ID):
+            raise ReplError(
+                "the target's bootstrap did not finish",
+                f"{self._scope()} holds an interrupted bootstrap (event"
+                f" {props[BOOTSTRAP].split('@')[0]}) and no {LAST_ID}: load that bootstrap"
+                " dump again to finish it, then the incremental dumps after it",
+            )
+
+    def _marker(self) -> str:
+        """The bootstrap this replica comes from: its event id, and the source's log."""
+        h = self.dump.header
+        return f"{h.first_event_id}@{h.source}" if h.source else str(h.first_event_id)
+
     def _set_status(self, event_id: int) -> None:
+        props = {LAST_ID: str(event_id)}
+        if self.dump.header.source:
+            props[SOURCE] = self.dump.header.source
         if self.table is None:
             if self.dest.has_db(self.db):
-                self.dest.set_db_properties(self.db, {LAST_ID: str(event_id)})
+                self.dest.set_db_properties(self.db, props)
         elif self.dest.has_table(self.db, self.table):
-            self.dest.set_table_properties(self.db, self.table, {LAST_ID: str(event_id)})
+            self.dest.set_table_properties(self.db, self.table, props)
 
     def _claim_bootstrap(self) -> None:
         """A bootstrap goes into a new database (or table), or into the one an interrupted
         run of this same bootstrap left; never over someone else's data."""
-        marker = str(self.dump.header.first_event_id)
+        marker = self._marker()
         if not self.dest.has_db(self.db):
             self.dest.create_db(self.db, {BOOTSTRAP: marker} if self.table is None else None)
             return
@@ -290,8 +324,7 @@ class Loader:
                 )
             self.dest.create_table(obj, self.db, dst)
             if self.table is not None and self.dump.header.kind == "bootstrap":
-                marker = str(self.dump.header.first_event_id)
-                self.dest.set_table_properties(self.db, dst, {BOOTSTRAP: marker})
+                self.dest.set_table_properties(self.db, dst, {BOOTSTRAP: self._marker()})
         self._tables.add(dst)
         return dst
 

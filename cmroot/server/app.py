@@ -747,7 +747,9 @@ async def event_files(request: web.Request) -> web.Response:
 async def current_event(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     _query(request, schemas.NoQuery)
-    return _json({"id": await _run(request, svc.store.index.current_event_id)})
+    index = svc.store.index
+    return _json({"id": await _run(request, index.current_event_id),
+                  "log": await _run(request, index.log_id)})
 
 
 async def add_event(request: web.Request) -> web.Response:

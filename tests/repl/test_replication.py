@@ -244,6 +244,74 @@ def test_refusals_change_nothing(source: Source, destination: Destination) -> No
     assert len(over["files"]["rf.t"]) == 1
 
 
+def _as_of_another_source(url: str, to: Path) -> str:
+    """A copy of the dump at `url` that says it was taken of another event log."""
+    import shutil
+
+    shutil.copytree(url, to)
+    header = json.loads((to / "_dump.json").read_text())
+    assert len(header["source"]) == 32  # every dump names the log it was taken of
+    header["source"] = "f" * 32
+    (to / "_dump.json").write_text(json.dumps(header))
+    return str(to)
+
+
+def test_a_replica_refuses_another_source_and_an_unfinished_bootstrap(
+    source: Source, destination: Destination, tmp_path: Path
+) -> None:
+    """Event ids mean something only within one source's log: a replica of source A
+    refuses a dump of source B (whatever its ids), incremental or bootstrap. A bootstrap
+    that failed midway (a file lost from both the source and its cmroot) leaves a target
+    with no repl.last.id: an incremental dump into it is refused, never applied on top of
+    half a snapshot. Each refusal leaves the destination as it was."""
+    source.sql("CREATE DATABASE ot")
+    source.sql("CREATE TABLE ot.t (a INT) USING parquet")
+    source.sql("INSERT INTO ot.t VALUES (1)")
+    boot, hb = source.dump("ot")
+    source.sql("INSERT INTO ot.t VALUES (2)")
+    inc, hi = source.dump("ot", from_id=hb.last_event_id)
+    other_inc = _as_of_another_source(inc, tmp_path / "other-inc")
+    other_boot = _as_of_another_source(boot, tmp_path / "other-boot")
+    q = {"t": "SELECT a FROM ot.t ORDER BY a"}
+    first, foreign, foreign_boot, mine = destination.run(
+        {"load": {"dump": boot}, "queries": q, "status": ["ot"]},
+        {"load": {"dump": other_inc}, "queries": q, "status": ["ot"]},
+        {"load": {"dump": other_boot}, "queries": q, "status": ["ot"]},
+        {"load": {"dump": inc}, "queries": q, "status": ["ot"]},
+    )
+    assert first["rows"]["t"] == [[1]] and first["status"]["ot"] == hb.last_event_id
+    for step in (foreign, foreign_boot):
+        assert step["load"]["kind"] == "ReplError", step["load"]
+        assert "another source" in step["load"]["error"] or "already exists" in (
+            step["load"]["error"]), step["load"]
+        assert step["rows"]["t"] == [[1]] and step["status"]["ot"] == hb.last_event_id
+    assert "another source" in foreign["load"]["error"]
+    assert mine["rows"]["t"] == [[1], [2]] and mine["status"]["ot"] == hi.last_event_id
+
+    # An unfinished bootstrap: one of its files is gone from the source (removed behind
+    # the hook's back) and was never in the cmroot, so the load fails midway.
+    source.sql("CREATE DATABASE ub")
+    source.sql("CREATE TABLE ub.t (a INT) USING parquet")
+    source.sql("INSERT INTO ub.t VALUES (1)")
+    source.sql("INSERT INTO ub.t VALUES (2)")
+    boot2, h2 = source.dump("ub")
+    lost = sorted(source.data_files("ub", "t"))[0]
+    (source.table_dir("t", "ub") / lost).unlink()
+    source.sql("REFRESH TABLE ub.t")
+    source.sql("INSERT INTO ub.t VALUES (3)")
+    inc2, _ = source.dump("ub", from_id=h2.last_event_id)
+    failed, refused = destination.run(
+        {"load": {"dump": boot2}, "status": ["ub"]},
+        {"load": {"dump": inc2}, "status": ["ub"], "files": ["ub.t"]},
+    )
+    assert failed["load"]["kind"] == "FileLost", failed["load"]
+    assert failed["status"]["ub"] is None
+    assert refused["load"]["kind"] == "ReplError", refused["load"]
+    assert "did not finish" in refused["load"]["error"], refused["load"]
+    assert refused["status"]["ub"] is None
+    assert len(refused["files"]["ub.t"]) <= 1  # the one file the bootstrap got, no more
+
+
 def test_moves_and_adoptions_replicate(source: Source, destination: Destination) -> None:
     """What moves or adopts data without deleting any (issue 11, item 7): a renamed partition,
     a table given a new location, a table created over data already there, and inserts into
