@@ -127,13 +127,16 @@ def fsck(
     shard directory visited."""
     report = FsckReport(repair, limit)
     owned: set[str] = set()
+    in_flight: set[str] = set()  # objects of journaled transactions: published, not indexed
     for txid in index.pending_txids():  # one transaction's rows in memory at a time
         for tx in index.pending(txid):
             _transaction(layout, tx, report)
             owned |= _owned(layout, tx)
+            in_flight.update(r.checksum for r in tx.rows if r.checksum)
     _staging(layout, owned, report)
     with ThreadPoolExecutor(max_workers=cks.default_workers()) as pool:
         walk = _Walk(layout, index, now, retain, repair, report, pool)
+        walk.in_flight = in_flight
         shards = walk.plan()
         for i, shard in enumerate(shards, 1):
             walk.shard(shard)
@@ -266,6 +269,9 @@ class _Walk:
         # Misplaced objects moved to a shard not yet visited: already hashed once.
         self.moved_ahead: set[str] = set()
         self.current = ""
+        # A prepared transaction's objects, published ahead of its commit: its own, neither
+        # unindexed nor to register (its commit indexes them, its rollback removes them).
+        self.in_flight: set[str] = set()
 
     # -- which shards to visit ----------------------------------------------------------
     def plan(self) -> list[str]:
@@ -355,7 +361,7 @@ class _Walk:
                     if self.repair:
                         self._quarantine(path, name)
                         self.recheck.add(shard)
-                elif name not in indexed:
+                elif name not in indexed and name not in self.in_flight:
                     self.report.add("unindexed", name)
                     if self.repair:
                         self._register(name, size)

@@ -42,7 +42,7 @@ from cmroot import checksum as cks
 from cmroot import faults
 from cmroot.exceptions import CmrootError
 from cmroot.index import Entry, Event, Index, PendingTx
-from cmroot.store.layout import Layout, sync_filesystem
+from cmroot.store.layout import Layout, fsync_dir, sync_filesystem
 from cmroot.store.objects import Objects
 from cmroot.store.source import RootUnavailable, Session
 from cmroot.store.warehouse import Root, Warehouse
@@ -207,7 +207,7 @@ class Journal:
         state = self.observe(it)
         if state == FileState.PLANNED:
             if it.checksum:
-                self.objects.release(txid, {it.checksum})
+                self.objects.discard_unindexed(txid, it.checksum, made_only=True)
             return state
         assert it.checksum is not None or not stat.S_ISREG(os.lstat(it.staged).st_mode)
         if state == FileState.PUBLISHED:
@@ -217,7 +217,9 @@ class Journal:
                 # it: it stays, but with bytes of its own, not the warehouse file's inode.
                 self._break_link(txid, it)
         elif it.checksum:
-            self.objects.release(txid, {it.checksum})
+            # Deduplicated against an object another statement published ahead: if that
+            # statement is gone too (rolled back before us), nobody needs it any more.
+            self.objects.discard_unindexed(txid, it.checksum, made_only=True)
         if it.method == Method.COPY:
             os.unlink(it.staged)  # the source never left
             return FileState.STAGED_BY_COPY
@@ -232,7 +234,11 @@ class Journal:
             shutil.copyfileobj(src, dst, cks.CHUNK)
             dst.flush()
             os.fsync(dst.fileno())
-        os.rename(tmp, self.layout.object_path(it.checksum))
+        obj = self.layout.object_path(it.checksum)
+        os.rename(tmp, obj)
+        # Durable now: a commit that deduplicated against this object may skip its flush
+        # (published ahead), and the object must never fall back to the warehouse inode.
+        fsync_dir(os.path.dirname(obj))
 
     def _keep_displaced(
         self, txid: str, items: list[Item], request: dict[str, Any], now: float, retain: float,
@@ -242,8 +248,11 @@ class Journal:
         checksum) as an entry with no event. The log claims no drop."""
         for it in items:
             assert it.checksum is not None
-            it.size = os.path.getsize(it.staged)
-            self.objects.publish(txid, it.checksum, it.staged)
+            st = os.lstat(it.staged)
+            it.size = st.st_size
+            # A file with other names in the warehouse gets an object of its own bytes.
+            private = st.st_nlink > 1 or os.path.lexists(f"{it.staged}.private")
+            self.objects.publish(txid, it.checksum, it.staged, private=private)
         sync_filesystem(self.layout.root)
         known = self.index.recorded([(it.key, it.checksum or "") for it in items])
         # Skip what an earlier try already kept.

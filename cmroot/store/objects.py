@@ -30,6 +30,9 @@ class Objects:
         self.index = index
         self._lock = threading.Lock()
         self._claims: dict[str, set[str]] = {}
+        # Objects a publish made that some recycle still claims: not yet indexed, so a
+        # rollback may remove one it only deduplicated against once nobody claims it.
+        self._made: set[str] = set()
 
     def publish(self, txid: str, checksum: str, staged: str, private: bool = False) -> bool:
         """Make `staged` available as object `checksum`; True if this created the object.
@@ -48,6 +51,7 @@ class Objects:
                 except FileNotFoundError:  # the shard's first object
                     self.layout.make_shard(checksum)
                     os.link(staged, obj)
+                self._made.add(checksum)
                 return True
             except FileExistsError:
                 pass
@@ -116,12 +120,17 @@ class Objects:
             for c in checksums:
                 self._drop_claim(txid, c)
 
-    def discard_unindexed(self, txid: str, checksum: str) -> bool:
+    def discard_unindexed(self, txid: str, checksum: str, made_only: bool = False) -> bool:
         """Undo a publish: drop the claim and, if no one else claims the object and the
         index does not know it, remove it (its bytes are back at their source). False if
-        the object stays because someone else uses it."""
+        the object stays because someone else uses it. `made_only`: remove it only if a
+        publish of a recycle still in flight made it (a rollback of a file deduplicated
+        against it), never an unindexed object of unknown origin (fsck's to judge)."""
         with self._lock:
+            made = checksum in self._made
             self._drop_claim(txid, checksum)
+            if made_only and not made:
+                return False
             if checksum in self._claims or self.index.get_object(checksum) is not None:
                 return False
             with contextlib.suppress(FileNotFoundError):
@@ -170,3 +179,4 @@ class Objects:
             owners.discard(txid)
             if not owners:
                 del self._claims[checksum]
+                self._made.discard(checksum)

@@ -455,12 +455,16 @@ class Recycler:
             # hashed, not at commit, after the statement's other names may have changed.
             self.objects.private_copy(it.staged, it.checksum)
 
-    def _publish(self, txid: str, it: Item, nlink: int) -> None:
+    def _publish(self, txid: str, it: Item, nlink: int) -> bool:
+        """Publish one file's object; True if this made it (False: deduplicated)."""
         assert it.checksum is not None
         # A renamed file with other names in the warehouse must not become the object
-        # itself: writes through those names would change the stored bytes.
-        self.objects.publish(txid, it.checksum, it.staged, private=nlink > 1)
+        # itself: writes through those names would change the stored bytes. Once prepare
+        # copied such a file, the copy is the object even if the other names went since.
+        private = nlink > 1 or os.path.lexists(f"{it.staged}.private")
+        made = self.objects.publish(txid, it.checksum, it.staged, private=private)
         faults.point("recycle.file_published")
+        return made
 
     # -- what a commit records ------------------------------------------------------------
     def _entries(self, req: RecycleRequest, items: Sequence[Item], now: float) -> list[Entry]:
@@ -589,8 +593,10 @@ class Recycler:
         rest to the commit, which reports it."""
         try:
             for it in ahead.items:
-                self._publish(txid, it, os.lstat(it.staged).st_nlink)
-                ahead.published.add(it.seq)
+                # Only an object this made is settled: one deduplicated against is compared
+                # again by the commit (it may rot meanwhile, and the commit drops our copy).
+                if self._publish(txid, it, os.lstat(it.staged).st_nlink):
+                    ahead.published.add(it.seq)
             sync_filesystem(self.layout.root)
             ahead.flushed = True
         except Exception as e:
@@ -618,10 +624,10 @@ class Recycler:
                 for it in items:
                     if it.seq in done:
                         continue
-                    if self.journal.observe(it) == FileState.PUBLISHED:
-                        # Published ahead by this daemon before a restart: claim it again.
-                        self.objects.claim(txid, it.checksum or "")
-                    else:
+                    # Claimed before it is looked at: a sweep must not take an object
+                    # published ahead before a restart (claims live in memory) meanwhile.
+                    self.objects.claim(txid, it.checksum or "")
+                    if self.journal.observe(it) != FileState.PUBLISHED:
                         self._publish(txid, it, os.lstat(it.staged).st_nlink)
                 return len(done) < len(items) or not all(a.flushed for a in ahead)
 
