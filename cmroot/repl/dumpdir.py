@@ -6,7 +6,8 @@
     <dump>/_dump.json           the header, written last: a dump without it is incomplete
 
 No data is copied: the manifest names each file by (original path, checksum), which the
-loader resolves to the original or to its copy in the cmroot. Paths inside the dump are
+loader resolves to the original or to its copy in the cmroot. Every field and column is
+described in docs/dump-format.md. Paths inside the dump are
 fsspec URLs or local paths, so a dump can live on any filesystem fsspec reaches."""
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ import fsspec
 
 from cmroot.exceptions import ReplError
 
-FORMAT = 1
+# The major version of the format (docs/dump-format.md): a reader refuses another major
+# and ignores fields it does not know. 2: events.parquet names its type column eventType
+# (HCatalog's name; 1 said event_type, still read) and the header names the source's log.
+FORMAT = 2
+READS = (1, 2)
 HEADER = "_dump.json"
 
 # (name, pyarrow type) of each column; pyarrow is imported only where a dump is read or
@@ -29,7 +34,7 @@ HEADER = "_dump.json"
 EVENT_COLUMNS = (
     ("id", "int64"),
     ("seq", "int32"),
-    ("event_type", "string"),
+    ("eventType", "string"),
     ("db", "string"),
     ("table", "string"),
     ("partitions", "string"),  # JSON list of {key: value}
@@ -128,7 +133,7 @@ def write(
         for name, value in (
             ("id", e.id),
             ("seq", e.seq),
-            ("event_type", e.type),
+            ("eventType", e.type),
             ("db", e.db),
             ("table", e.table),
             ("partitions", json.dumps(e.partitions)),
@@ -181,10 +186,10 @@ def read(url: str) -> Dump:
             f"{url} has no {HEADER}: point --from-dir at the directory `cmroot repl dump` "
             "printed; an interrupted dump must be taken again",
         ) from None
-    if raw.get("format") != FORMAT:
+    if raw.get("format") not in READS:
         raise ReplError(
             "unsupported dump format", f"{url}: format {raw.get('format')}, this cmroot reads "
-            f"{FORMAT}; load it with the cmroot version that wrote it"
+            f"{', '.join(map(str, READS))}; load it with the cmroot version that wrote it"
         )
     # Fields a later release of this format adds are ignored: readers skip what they lack.
     known = {f.name for f in fields(Header)}
@@ -202,7 +207,7 @@ def read(url: str) -> Dump:
         DumpEvent(
             id=r["id"],
             seq=r["seq"],
-            type=r["event_type"],
+            type=r["eventType"] if "eventType" in r else r["event_type"],
             db=r["db"],
             table=r["table"],
             partitions=json.loads(r["partitions"]),

@@ -87,6 +87,32 @@ def test_incomplete_or_foreign_dump_refused(tmp_path: Path) -> None:
         dumpdir.read(url)
 
 
+def test_the_format_reads_version_1_and_ignores_fields_it_does_not_know(tmp_path: Path) -> None:
+    """docs/dump-format.md: events.parquet uses HCatalog's column name (eventType; format 1
+    said event_type and is still read), the header names the source's event log, and a
+    reader ignores header fields a later minor release adds."""
+    import pyarrow.parquet as pq
+
+    url = str(tmp_path / "d")
+    dumpdir.write(url, header(source="a" * 32), [DumpEvent(3, 0, "INSERT", "s", "t")], {})
+    assert "eventType" in pq.read_schema(tmp_path / "d" / "events.parquet").names
+    raw = json.loads((tmp_path / "d" / dumpdir.HEADER).read_text())
+    assert raw["format"] == dumpdir.FORMAT == 2 and raw["source"] == "a" * 32
+    raw["added_by_a_later_release"] = {"x": 1}
+    (tmp_path / "d" / dumpdir.HEADER).write_text(json.dumps(raw))
+    assert dumpdir.read(url).header.source == "a" * 32
+
+    table = pq.read_table(tmp_path / "d" / "events.parquet")
+    old = table.rename_columns(
+        ["event_type" if n == "eventType" else n for n in table.column_names])
+    pq.write_table(old, tmp_path / "d" / "events.parquet")
+    del raw["source"]
+    raw["format"] = 1
+    (tmp_path / "d" / dumpdir.HEADER).write_text(json.dumps(raw))
+    got = dumpdir.read(url)
+    assert got.header.source == "" and [e.type for e in got.events] == ["INSERT"]
+
+
 def test_dump_on_another_filesystem() -> None:
     url = "memory://dumps/one"
     dumpdir.write(url, header(), [DumpEvent(3, 0, "INSERT", "s", "t", files=[
