@@ -191,6 +191,21 @@ class EventLog(Base):
     def current_event_id(self) -> int:
         return int(self._query("SELECT coalesce(max(id), 0) FROM events")[0][0])
 
+    def relocations(self) -> list[tuple[int, str, str]]:
+        """(event id, old location, new location) of every table rename the log records,
+        oldest first: where a renamed table's files went (ALTER_TABLE events whose
+        `location` is where the table was and whose tableObj says where it is)."""
+        out = []
+        for event_id, meta in self._query(
+            "SELECT id, meta FROM events WHERE type = 'ALTER_TABLE' AND meta IS NOT NULL"
+            " ORDER BY id", ()
+        ):
+            old, obj = _meta(meta)
+            new = (obj or {}).get("location")
+            if old and isinstance(new, str) and new.rstrip("/") != old.rstrip("/"):
+                out.append((int(event_id), old.rstrip("/"), new.rstrip("/")))
+        return out
+
     def log_id(self) -> str:
         """The identity of this event log (random at the index's creation)."""
         return str(self._query("SELECT value FROM settings WHERE key = 'log_id'", ())[0][0])

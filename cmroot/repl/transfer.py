@@ -134,12 +134,15 @@ def _one(row: Copy, client: Client | None) -> Copied:
     if answer.status == "missing":
         return Copied(row.dst, None, "lost", 0, "neither at its path nor in the cmroot", made)
     location = answer.location
-    if answer.status == "cmroot" and location and os.path.isfile(location):
+    # "original" at another path: a later rename of its table moved the file there.
+    moved = answer.status == "original" and location is not None and location != row.src
+    if (answer.status == "cmroot" or moved) and location and os.path.isfile(location):
         n = _try(functools.partial(open, location, "rb"), temp, row.checksum)
     else:
         n = None
     if n is None:
-        n = _try(functools.partial(client.open, row.src, row.checksum), temp, row.checksum)
+        served = location if moved and location else row.src
+        n = _try(functools.partial(client.open, served, row.checksum), temp, row.checksum)
     if n is None:
         return Copied(row.dst, None, "lost", 0, "no copy hashed to its checksum", made)
     return Copied(row.dst, temp, "cmroot" if answer.status == "cmroot" else "original", n,

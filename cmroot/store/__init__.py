@@ -9,11 +9,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from cmroot import checksum as cks
 from cmroot.config import Config, StoreConfig, local_path
-from cmroot.exceptions import BadRequest, ConfigError, NotFound
+from cmroot.exceptions import BadRequest, CmrootError, ConfigError, NotFound
 from cmroot.index import Entry, Event, Index
 from cmroot.store.fsck import LIMIT as FSCK_LIMIT
 from cmroot.store.fsck import FsckReport, fsck
@@ -29,7 +30,7 @@ from cmroot.store.recycle import (
     RecycleResult,
     validate_partitions,
 )
-from cmroot.store.resolve import Resolution, Resolver, parse_pairs
+from cmroot.store.resolve import Resolution, Resolver, moved_paths, parse_pairs
 from cmroot.store.sweep import SweepReport, sweep
 from cmroot.store.warehouse import Located, Warehouse
 from cmroot.vocab import METADATA_DROPS, RECORDABLE
@@ -235,7 +236,27 @@ class Store:
 
     # -- reads ----------------------------------------------------------------------------
     def resolve(self, pairs: object) -> list[Resolution]:
-        return self.resolver.resolve(parse_pairs(self.warehouse, pairs))
+        """Where the bytes of each (path, checksum) are: at the path, in the store, or at
+        the path a later rename of its table moved it to (the table swap: CTAS new, DROP
+        old, RENAME new TO old). A followed pair keeps the asked path; its `location` is
+        where the bytes are, read like any pair (confined, verified by checksum)."""
+        out = self.resolver.resolve(parse_pairs(self.warehouse, pairs))
+        missing = [i for i, r in enumerate(out) if r.status == "missing"]
+        moves = self.index.relocations() if missing else []
+        for i in missing if moves else []:
+            out[i] = self._followed(out[i], moves) or out[i]
+        return out
+
+    def _followed(self, r: Resolution, moves: list[tuple[int, str, str]]) -> Resolution | None:
+        for path in moved_paths(r.path, moves):
+            try:
+                loc = self.warehouse.locate(path)
+            except CmrootError:  # moved out of the roots: not ours to read
+                continue
+            [found] = self.resolver.resolve([(loc, r.checksum)])
+            if found.status != "missing":
+                return replace(found, path=r.path)
+        return None
 
     def open_verified(self, path: object, checksum: object, inline_max: int = 0) -> Verified:
         """The verified bytes for (path, checksum), as an open descriptor (invariant 3):

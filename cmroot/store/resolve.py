@@ -213,3 +213,21 @@ def _open_regular(loc: Located) -> tuple[int, os.stat_result] | None:
         os.close(fd)
         return None
     return fd, st
+
+
+def moved_paths(path: str, moves: Sequence[tuple[int, str, str]], limit: int = 8) -> list[str]:
+    """Where later renames of its table (`Index.relocations`, oldest first) may have moved
+    `path`: every path one or more of them, applied in log order, lead to (at most
+    `limit`). Which one still holds the bytes is for the checksum to say."""
+    out: list[str] = []
+    frontier = [(path, 0)]
+    while frontier and len(out) < limit:
+        p, start = frontier.pop(0)
+        for j in range(start, len(moves)):
+            _, old, new = moves[j]
+            if p == old or p.startswith(old + "/"):
+                q = new + p[len(old):]
+                if q not in out and q != path:
+                    out.append(q)
+                    frontier.append((q, j + 1))
+    return out[:limit]

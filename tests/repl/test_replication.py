@@ -312,6 +312,45 @@ def test_a_replica_refuses_another_source_and_an_unfinished_bootstrap(
     assert len(refused["files"]["ub.t"]) <= 1  # the one file the bootstrap got, no more
 
 
+def test_a_table_swap_replicates(source: Source, destination: Destination) -> None:
+    """The table swap every ETL framework does: CREATE TABLE t_new AS ..., DROP TABLE t,
+    ALTER TABLE t_new RENAME TO t. The INSERT into t_new names files at t_new/, which the
+    rename moved to t/ (neither there nor in the cmroot under that path): the daemon follows
+    the rename recorded in its log. Then a swap whose rename (and a drop of the renamed
+    table) comes after the dump: the load still finds the bytes, at the new place or in the
+    cmroot, and the replica is the source as of the dump."""
+    start = source.daemon.current()
+    source.sql("CREATE DATABASE sw")
+    source.sql("CREATE TABLE sw.t (a INT) USING parquet")
+    source.sql("INSERT INTO sw.t VALUES (1), (2)")
+    url0, h0 = source.dump("sw", from_id=start)
+    source.sql("CREATE TABLE sw.t_new USING parquet AS SELECT a + 10 AS a FROM sw.t")
+    source.sql("DROP TABLE sw.t")
+    source.sql("ALTER TABLE sw.t_new RENAME TO t")
+    url1, h1 = source.dump("sw", from_id=h0.last_event_id)
+    swapped = source.rows("SELECT a FROM sw.t")
+    source.sql("CREATE TABLE sw.u_new USING parquet AS SELECT a + 100 AS a FROM sw.t")
+    at_dump = source.rows("SELECT a FROM sw.u_new")
+    url2, h2 = source.dump("sw", from_id=h1.last_event_id)
+    source.sql("ALTER TABLE sw.u_new RENAME TO u")  # after the dump: the files move ...
+    source.sql("ALTER TABLE sw.t RENAME TO t_old")
+    source.sql("DROP TABLE sw.t_old")  # ... or move, then go to the cmroot
+    q = {"t": "SELECT a FROM sw.t", "u_new": "SELECT a FROM sw.u_new"}
+    first, second, third = destination.run(
+        {"load": {"dump": url0}, "queries": q, "status": ["sw"]},
+        {"load": {"dump": url1}, "queries": q, "status": ["sw"]},
+        {"load": {"dump": url2}, "queries": q, "status": ["sw"], "files": ["sw.u_new"]},
+    )
+    assert first["rows"]["t"] == [[1], [2]]
+    assert "error" not in second["load"], second["load"]
+    assert second["rows"]["t"] == swapped == [[11], [12]]
+    assert second["status"]["sw"] == h1.last_event_id
+    assert "error" not in third["load"], third["load"]
+    assert third["rows"]["u_new"] == at_dump == [[111], [112]]
+    assert third["rows"]["t"] == [[11], [12]] and third["status"]["sw"] == h2.last_event_id
+    assert third["files"]["sw.u_new"]
+
+
 def test_moves_and_adoptions_replicate(source: Source, destination: Destination) -> None:
     """What moves or adopts data without deleting any (issue 11, item 7): a renamed partition,
     a table given a new location, a table created over data already there, and inserts into

@@ -123,7 +123,12 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
         && !String.valueOf(location(old)).equals(String.valueOf(loc));
     Map<String, Object> body = event(moved ? "ALTER_LOCATION" : "ALTER_TABLE", old.getDbName(),
         old.getTableName());
-    if (inside) {
+    String was = location(old);
+    if (!name(old).equalsIgnoreCase(name(t)) && Cmroot.protectedLocation(was, s)) {
+      // A rename: where the files were (tableObj says where they are now), so that the
+      // daemon finds the files of earlier events at their new place (Store.resolve).
+      body.put("location", was);
+    } else if (inside) {
       body.put("location", loc);
     }
     body.put("tableObj", Cmroot.tableMap(t));
