@@ -191,14 +191,15 @@ class EventLog(Base):
     def current_event_id(self) -> int:
         return int(self._query("SELECT coalesce(max(id), 0) FROM events")[0][0])
 
-    def relocations(self) -> list[tuple[int, str, str]]:
-        """(event id, old location, new location) of every table rename the log records,
-        oldest first: where a renamed table's files went (ALTER_TABLE events whose
-        `location` is where the table was and whose tableObj says where it is)."""
+    def relocations(self, after: int = 0) -> list[tuple[int, str, str]]:
+        """(event id, old location, new location) of the table renames the log records
+        after event `after`, oldest first: where a renamed table's files went (ALTER_TABLE
+        events whose `location` is where the table was and whose tableObj says where it
+        is). The log only grows: a caller keeps what it read and asks for what follows."""
         out = []
         for event_id, meta in self._query(
-            "SELECT id, meta FROM events WHERE type = 'ALTER_TABLE' AND meta IS NOT NULL"
-            " ORDER BY id", ()
+            "SELECT id, meta FROM events WHERE id > ? AND type = 'ALTER_TABLE'"
+            " AND meta IS NOT NULL ORDER BY id", (after,)
         ):
             old, obj = _meta(meta)
             new = (obj or {}).get("location")

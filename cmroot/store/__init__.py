@@ -14,14 +14,14 @@ from typing import Any
 
 from cmroot import checksum as cks
 from cmroot.config import Config, StoreConfig, local_path
-from cmroot.exceptions import BadRequest, CmrootError, ConfigError, NotFound
+from cmroot.exceptions import BadRequest, CmrootError, ConfigError, Forbidden, NotFound
 from cmroot.index import Entry, Event, Index
 from cmroot.store.fsck import LIMIT as FSCK_LIMIT
 from cmroot.store.fsck import FsckReport, fsck
 from cmroot.store.journal import Recovery
 from cmroot.store.layout import Layout
 from cmroot.store.objects import Objects
-from cmroot.store.read import Quarantined, Reader, Verified
+from cmroot.store.read import Quarantined, Reader, Verified, locate
 from cmroot.store.recycle import (
     Prepared,
     Progress,
@@ -30,7 +30,7 @@ from cmroot.store.recycle import (
     RecycleResult,
     validate_partitions,
 )
-from cmroot.store.resolve import Resolution, Resolver, moved_paths, parse_pairs
+from cmroot.store.resolve import Renames, Resolution, Resolver, parse_pairs
 from cmroot.store.sweep import SweepReport, sweep
 from cmroot.store.warehouse import Located, Warehouse
 from cmroot.vocab import METADATA_DROPS, RECORDABLE
@@ -74,6 +74,7 @@ class Store:
         self.recycler = Recycler(self.layout, index, self.objects, self.warehouse, config, clock)
         self.resolver = Resolver(self.layout, index, not readonly, cks.default_workers())
         self.reader = Reader(self.layout, index, self.warehouse, clock, readonly)
+        self.renames = Renames(index, self.warehouse)
         if not readonly:
             self.recovery = self.recycler.journal.recover(config.retain_for, clock())
             r = self.recovery
@@ -242,21 +243,22 @@ class Store:
         where the bytes are, read like any pair (confined, verified by checksum)."""
         out = self.resolver.resolve(parse_pairs(self.warehouse, pairs))
         missing = [i for i, r in enumerate(out) if r.status == "missing"]
-        moves = self.index.relocations() if missing else []
-        for i in missing if moves else []:
-            out[i] = self._followed(out[i], moves) or out[i]
+        if not missing:
+            return out
+        self.renames.refresh()
+        moved: list[tuple[int, Located]] = []
+        for i in missing:
+            for path in self.renames.candidates(out[i].path):
+                try:
+                    moved.append((i, self.warehouse.locate(path)))
+                except CmrootError:  # moved out of the roots: not ours to read
+                    continue
+        # One batch: the bound on bytes hashed per request holds for followed pairs too.
+        found = self.resolver.resolve([(loc, out[i].checksum) for i, loc in moved])
+        for (i, _), r in zip(moved, found, strict=True):
+            if out[i].status == "missing" and r.status != "missing":
+                out[i] = replace(r, path=out[i].path)
         return out
-
-    def _followed(self, r: Resolution, moves: list[tuple[int, str, str]]) -> Resolution | None:
-        for path in moved_paths(r.path, moves):
-            try:
-                loc = self.warehouse.locate(path)
-            except CmrootError:  # moved out of the roots: not ours to read
-                continue
-            [found] = self.resolver.resolve([(loc, r.checksum)])
-            if found.status != "missing":
-                return replace(found, path=r.path)
-        return None
 
     def open_verified(self, path: object, checksum: object, inline_max: int = 0) -> Verified:
         """The verified bytes for (path, checksum), as an open descriptor (invariant 3):
@@ -264,7 +266,20 @@ class Store:
         entry records that pair. Serve from `Verified.fd` (or `.data`), never by path;
         close it when done. Raises NotFound (also for an object found corrupt, which is
         quarantined)."""
-        return self.reader.open_verified(path, checksum, inline_max)
+        try:
+            return self.reader.open_verified(path, checksum, inline_max)
+        except Quarantined:
+            raise
+        except NotFound as missing:
+            # Moved by a later rename of its table (see `resolve`): read where it went,
+            # with the same confinement and verification.
+            self.renames.refresh()
+            for moved in self.renames.candidates(locate(self.warehouse, path).key):
+                try:
+                    return self.reader.open_verified(moved, checksum, inline_max)
+                except (NotFound, BadRequest, Forbidden):
+                    continue
+            raise missing
 
     def entries(
         self,

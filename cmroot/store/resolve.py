@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -215,19 +216,62 @@ def _open_regular(loc: Located) -> tuple[int, os.stat_result] | None:
     return fd, st
 
 
-def moved_paths(path: str, moves: Sequence[tuple[int, str, str]], limit: int = 8) -> list[str]:
-    """Where later renames of its table (`Index.relocations`, oldest first) may have moved
-    `path`: every path one or more of them, applied in log order, lead to (at most
-    `limit`). Which one still holds the bytes is for the checksum to say."""
-    out: list[str] = []
-    frontier = [(path, 0)]
-    while frontier and len(out) < limit:
-        p, start = frontier.pop(0)
-        for j in range(start, len(moves)):
-            _, old, new = moves[j]
-            if p == old or p.startswith(old + "/"):
+
+class Renames:
+    """The table renames of the daemon's log by old location, read as the log grows (it is
+    append-only): where the files of a renamed table went. Locations are canonical, as
+    the warehouse places them; a rename into or out of the roots is not followed."""
+
+    MAX_CANDIDATES = 16
+
+    def __init__(self, index: Index, warehouse: Warehouse) -> None:
+        self._index = index
+        self._warehouse = warehouse
+        self._lock = threading.Lock()
+        self._after = 0
+        self._by_old: dict[str, list[tuple[int, str]]] = {}
+
+    def refresh(self) -> None:
+        with self._lock:
+            for event_id, old, new in self._index.relocations(self._after):
+                self._after = max(self._after, event_id)
+                try:
+                    a = self._warehouse.locate(old, resolve=False).key
+                    b = self._warehouse.locate(new, resolve=False).key
+                except CmrootError:
+                    continue
+                if a != b:
+                    self._by_old.setdefault(a, []).append((event_id, b))
+
+    def candidates(self, path: str) -> list[str]:
+        """The paths renames, applied in log order, lead `path` to: the newest renames
+        first (a table renamed nightly to a dated backup is found at the last one), at
+        most MAX_CANDIDATES. Which one holds the bytes is for the checksum to say."""
+        out: list[str] = []
+        seen: set[tuple[str, int]] = set()
+        todo = [(path, 0)]
+        while todo and len(out) < self.MAX_CANDIDATES:
+            p, after = todo.pop(0)
+            for event_id, old, new in self._moves_of(p, after):
                 q = new + p[len(old):]
-                if q not in out and q != path:
+                if (q, event_id) in seen:
+                    continue
+                seen.add((q, event_id))
+                if q != path and q not in out:
                     out.append(q)
-                    frontier.append((q, j + 1))
-    return out[:limit]
+                todo.append((q, event_id))
+        return out[: self.MAX_CANDIDATES]
+
+    def _moves_of(self, path: str, after: int) -> list[tuple[int, str, str]]:
+        """(event id, old, new) of the renames after `after` of `path` or a directory
+        above it, newest first: one lookup per directory level, whatever the log holds."""
+        found = []
+        d = path
+        with self._lock:
+            while d:
+                for event_id, new in self._by_old.get(d, ()):
+                    if event_id > after:
+                        found.append((event_id, d, new))
+                parent = d.rsplit("/", 1)[0]
+                d = "" if parent == d else parent
+        return sorted(found, reverse=True)
