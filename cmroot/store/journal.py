@@ -43,7 +43,7 @@ from cmroot import faults
 from cmroot.exceptions import CmrootError
 from cmroot.index import Entry, Event, Index, PendingTx
 from cmroot.store.layout import Layout, fsync_dir, sync_filesystem
-from cmroot.store.objects import Objects
+from cmroot.store.objects import Objects, needs_private, private_name
 from cmroot.store.source import RootUnavailable, Session
 from cmroot.store.warehouse import Root, Warehouse
 from cmroot.vocab import FileState, Method, Mode, TxState
@@ -192,7 +192,7 @@ class Journal:
             it.checksum = cks.of_local_file(it.staged)
         if it.checksum is not None:
             obj = self.layout.object_path(it.checksum)
-            private = f"{it.staged}.private"  # a copy published for a hard-linked source
+            private = private_name(it.staged)  # a copy published for a hard-linked source
             if _same_inode(st, obj) or (
                 os.path.lexists(private) and _same_inode(os.lstat(private), obj)
             ):
@@ -250,9 +250,8 @@ class Journal:
             assert it.checksum is not None
             st = os.lstat(it.staged)
             it.size = st.st_size
-            # A file with other names in the warehouse gets an object of its own bytes.
-            private = st.st_nlink > 1 or os.path.lexists(f"{it.staged}.private")
-            self.objects.publish(txid, it.checksum, it.staged, private=private)
+            self.objects.publish(txid, it.checksum, it.staged,
+                                 private=needs_private(it.staged, st.st_nlink))
         sync_filesystem(self.layout.root)
         known = self.index.recorded([(it.key, it.checksum or "") for it in items])
         # Skip what an earlier try already kept.

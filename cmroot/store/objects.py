@@ -72,7 +72,7 @@ class Objects:
         linked as the object of a file with other names in the warehouse. Made once (a
         prepared recycle makes it when it hashes the file; its commit reuses it); a copy
         whose bytes differ (written through another name since the hash) is refused."""
-        copy = f"{staged}.private"
+        copy = private_name(staged)
         if os.path.exists(copy):
             return copy
         tmp = f"{copy}.tmp"
@@ -180,3 +180,15 @@ class Objects:
             if not owners:
                 del self._claims[checksum]
                 self._made.discard(checksum)
+
+
+def private_name(staged: str) -> str:
+    """Where `private_copy` keeps its copy of a staged file."""
+    return f"{staged}.private"
+
+
+def needs_private(staged: str, nlink: int) -> bool:
+    """Must the object of this staged file be a copy of its bytes? Yes when the file has
+    other names in the warehouse (writes through them would change the stored bytes), or
+    once prepare copied it so (the other names may have gone since; the copy stays)."""
+    return nlink > 1 or os.path.lexists(private_name(staged))

@@ -50,7 +50,7 @@ from cmroot.exceptions import (
 from cmroot.index import Entry, Event, Index, PendingTx
 from cmroot.store.journal import Item, Journal, Sessions, entries_of
 from cmroot.store.layout import Layout, sync_filesystem
-from cmroot.store.objects import Objects
+from cmroot.store.objects import Objects, needs_private
 from cmroot.store.warehouse import Root, Warehouse
 from cmroot.vocab import DESTRUCTIVE, FileState, Method, Mode, TxState
 
@@ -458,11 +458,8 @@ class Recycler:
     def _publish(self, txid: str, it: Item, nlink: int) -> bool:
         """Publish one file's object; True if this made it (False: deduplicated)."""
         assert it.checksum is not None
-        # A renamed file with other names in the warehouse must not become the object
-        # itself: writes through those names would change the stored bytes. Once prepare
-        # copied such a file, the copy is the object even if the other names went since.
-        private = nlink > 1 or os.path.lexists(f"{it.staged}.private")
-        made = self.objects.publish(txid, it.checksum, it.staged, private=private)
+        made = self.objects.publish(txid, it.checksum, it.staged,
+                                    private=needs_private(it.staged, nlink))
         faults.point("recycle.file_published")
         return made
 
