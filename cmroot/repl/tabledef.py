@@ -258,7 +258,8 @@ def create_sql(table_obj: dict[str, Any], db: str, table: str) -> str:
         if parts:
             sql.append("PARTITIONED BY (" + ", ".join(quote(p) for p in parts) + ")")
         options = {
-            k: v for k, v in (table_obj.get("serdeParameters") or {}).items() if k != "path"
+            k: v for k, v in (table_obj.get("serdeParameters") or {}).items()
+            if str(k).lower() != "path"  # Spark reads the key in any case as the location
         }
         if options:
             sql.append("OPTIONS (" + properties_sql(options) + ")")

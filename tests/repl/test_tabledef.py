@@ -165,3 +165,14 @@ def test_a_user_defined_type_in_a_spark_schema_is_refused_before_pyspark_imports
                         "spark.sql.sources.schema.part.0": json.dumps(schema)})
     with pytest.raises(ReplError, match="user-defined"):
         tabledef.create_sql(obj, "dr", "t2")
+
+
+def test_a_path_option_in_any_case_never_reaches_the_destination() -> None:
+    """Spark takes an OPTIONS key `path` in any case as the table's location: a dump whose
+    serdeParameters said 'PATH'='/evil' made the replica an external table at /evil, where
+    the loader then copies and deletes files. Every spelling of `path` is dropped."""
+    for key in ("path", "PATH", "Path"):
+        obj = datasource()
+        obj["serdeParameters"] = {key: "/evil", "compression": "zstd"}
+        sql = tabledef.create_sql(obj, "dr", "t2")
+        assert "/evil" not in sql and "OPTIONS ('compression'='zstd')" in sql, sql
