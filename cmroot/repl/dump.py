@@ -14,9 +14,11 @@ import os
 import posixpath
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from cmroot import checksum as cks
+from cmroot import faults
 from cmroot.client import Client
 from cmroot.exceptions import BadRequest, ReplError
 from cmroot.repl import dumpdir, tabledef
@@ -25,6 +27,9 @@ from cmroot.repl.dumpdir import DumpEvent, Header
 log = logging.getLogger(__name__)
 
 PAGE = 1000  # the daemon's largest page of events
+_ROUNDS = 10  # snapshot rounds before a bootstrap gives up on tables that keep moving
+_WAIT = 0.2  # seconds between rounds waiting for a vanished table's event
+_ALL = "*"  # not a table name: the whole database was dropped
 # Names Spark, Hive and cmroot write beside data files and never read as data.
 _HIDDEN = (".", "_")
 
@@ -53,7 +58,7 @@ def dump(
             raise ReplError("a bootstrap dump needs Spark", "pip install 'cmroot[spark]'")
         kind = "bootstrap"
         start = client.current_event()
-        events = list(_snapshot(spark, db, table, start, report))
+        events = list(_snapshot(spark, client, db, table, start, report))
         tail, last = _events(client, db, table, start, None, None, report)
         events += tail
         first = start
@@ -82,21 +87,9 @@ def _events(
     """Events after `after` (up to `to_id`, at most `limit` in scope) and the id the dump is
     consistent as of: the last event read, in scope or not."""
     end = client.current_event() if to_id is None else min(to_id, client.current_event())
-
-    def scan() -> Iterator[dict[str, Any]]:
-        nxt, read = after + 1, 0
-        while nxt <= end:
-            page = [e for e in client.events(nxt, PAGE) if e["id"] <= end]
-            if not page:
-                return
-            yield from page
-            read += len(page)
-            nxt = page[-1]["id"] + 1
-            report("events read", read, end - after)
-
     picked: list[DumpEvent] = []
     last = end if end > after else after
-    for e, relevant in dumpdir.in_scope(scan(), db, table):
+    for e, relevant in dumpdir.in_scope(_scan(client, after, end, report), db, table):
         if relevant:
             if limit is not None and len(picked) == limit:
                 last = picked[-1].id  # the rest waits for the next dump
@@ -155,28 +148,106 @@ def _partitions(spark: Any, db: str, table: str) -> list[dict[str, str]]:
     return out
 
 
+@dataclass
+class _Taken:
+    """One table as the snapshot read it: its definition, partitions and files (by
+    partition spec as JSON)."""
+
+    obj: dict[str, Any]
+    specs: list[dict[str, str]]
+    files: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+
 def _snapshot(
     spark: Any,
+    client: Client,
     db: str,
     table: str | None,
     start: int,
     report: Callable[[str, int, int | None], None],
 ) -> Iterator[DumpEvent]:
-    names = [table] if table else [
-        t.name for t in spark.catalog.listTables(db) if not t.isTemporary and t.tableType != "VIEW"
-    ]
+    """The scope's tables as snapshot events at `start`, consolidated with what ran while
+    they were read (the Hive v2 design's consolidation at the source).
+
+    The load replays every event after `start` on top of the snapshot, and each replayed
+    event sets what it touches, so a table read at any moment after `start` ends right,
+    with one exception: a rename carries the table's state along. A table renamed while it
+    was read may have been read half before and half after (its definition at the old
+    place, no files), or not at all (gone when its definition was asked). Such a table is
+    read again under its new name after the rename, until a round reads no table that a
+    rename touched meanwhile; a snapshot newer than a rename wins over it at the load.
+    A table that vanished unexplained (its event not yet in the log) is waited for."""
+    pending = [table] if table else sorted(
+        t.name.lower() for t in spark.catalog.listTables(db)
+        if not t.isTemporary and t.tableType != "VIEW"
+    )
+    faults.point("dump.tables_listed")
+    taken: dict[str, _Taken] = {}
+    since = start
+    explained: set[str] = set()
+    for _ in range(_ROUNDS):
+        got, unstable = _take(spark, db, pending, report)
+        upto = client.current_event()
+        moved, gone = _moves(_scan(client, since, upto), db)
+        if table is not None:  # one table: only its own renames matter
+            chain = _follow(table, _scan(client, start, upto))
+            moved &= set(chain)
+        explained |= gone | moved
+        for name in moved | unstable:
+            taken.pop(name, None)
+        taken.update((n, t) for n, t in got.items() if n not in moved | unstable)
+        waiting = set() if _ALL in explained else (
+            {n for n in pending if n not in got or n in unstable} - explained
+        )
+        pending = sorted(moved | unstable | waiting)
+        if table is not None and pending:
+            pending = [chain[-1]]  # read it under the name it has now
+        since = upto
+        if not pending:
+            break
+        if waiting:
+            time.sleep(_WAIT)  # a rename or drop on its way into the log
+    else:
+        raise ReplError(
+            "tables kept moving while the bootstrap read them",
+            f"{', '.join(f'{db}.{n}' for n in pending)} were renamed, dropped or moved in each"
+            f" of {_ROUNDS} rounds: dump again when they settle",
+        )
     seq = 0
     if table is None:
         yield DumpEvent(start, seq, "CREATE_DATABASE", db, None)
         seq += 1
-    plans: list[tuple[str, dict[str, Any], list[dict[str, str]]]] = []
+    for name in sorted(taken):
+        t = taken[name]
+        loc = tabledef.location(t.obj)
+        yield DumpEvent(start, seq, "CREATE_TABLE", db, name, location=loc, table_obj=t.obj)
+        seq += 1
+        for spec in t.specs:
+            got_files = sorted(t.files.get(json.dumps(spec, sort_keys=True), []),
+                               key=lambda f: str(f["path"]))
+            kind = "ADD_PARTITION" if spec else "INSERT"
+            if spec or got_files:
+                yield DumpEvent(start, seq, kind, db, name, [spec] if spec else [], loc,
+                                files=got_files)
+                seq += 1
+
+
+def _take(
+    spark: Any, db: str, names: list[str], report: Callable[[str, int, int | None], None]
+) -> tuple[dict[str, _Taken], set[str]]:
+    """Read each table (definition, partitions, then every file listed and hashed on the
+    executors in one batch): the tables read, and those that changed place while they were
+    read (their definition gone or moved, their directory gone)."""
+    got: dict[str, _Taken] = {}
     dirs: list[tuple[str, str, str]] = []  # (table, spec as JSON, directory)
-    for name in sorted(n.lower() for n in names):
+    for name in names:
         try:
             obj = table_obj(spark, db, name)
+            keys = tabledef.partition_columns(obj)
+            specs = _partitions(spark, db, name) if keys else [{}]
         except ReplError:
             raise
-        except Exception as e:  # dropped while we looked: its DROP event follows
+        except Exception as e:  # dropped or renamed while we looked: its event follows
             log.info("table gone during bootstrap", extra={"table": f"{db}.{name}", "err": str(e)})
             continue
         loc = tabledef.location(obj)
@@ -185,30 +256,89 @@ def _snapshot(
                 "table location not on the local filesystem",
                 f"{db}.{name} at {loc}: only local warehouses are replicated by this version",
             )
-        keys = tabledef.partition_columns(obj)
-        specs = _partitions(spark, db, name) if keys else [{}]
-        plans.append((name, obj, specs))
+        got[name] = _Taken(obj, specs)
         for spec in specs:
             rel = tabledef.partition_dir(spec, keys)
             dirs.append((name, json.dumps(spec, sort_keys=True), os.path.join(loc, rel)))
-    files = _hash_files(spark, _list_files(spark, dirs), report)
-    by_dir: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for name, spec_key, path, checksum, size in files:
-        by_dir.setdefault((name, spec_key), []).append(
+    faults.point("dump.defined")
+    listed = _list_files(spark, dirs)
+    faults.point("dump.files_listed")
+    for name, spec_key, path, checksum, size in _hash_files(spark, listed, report):
+        got[name].files.setdefault(spec_key, []).append(
             {"path": path, "checksum": checksum, "size": size}
         )
-    for name, obj, specs in plans:
-        loc = tabledef.location(obj)
-        yield DumpEvent(start, seq, "CREATE_TABLE", db, name, location=loc, table_obj=obj)
-        seq += 1
-        for spec in specs:
-            got = sorted(by_dir.get((name, json.dumps(spec, sort_keys=True)), []),
-                         key=lambda f: str(f["path"]))
-            kind = "ADD_PARTITION" if spec else "INSERT"
-            if spec or got:
-                yield DumpEvent(start, seq, kind, db, name, [spec] if spec else [], loc,
-                                files=got)
-                seq += 1
+    unstable = set()
+    for name, t in got.items():
+        try:
+            now = tabledef.location(table_obj(spark, db, name))
+        except ReplError:
+            raise
+        except Exception:
+            now = None
+        if now != tabledef.location(t.obj):
+            unstable.add(name)
+    return got, unstable
+
+
+def _scan(
+    client: Client, after: int, end: int,
+    report: Callable[[str, int, int | None], None] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """The daemon's events in (after, end], page by page."""
+    nxt, read = after + 1, 0
+    while nxt <= end:
+        page = [e for e in client.events(nxt, PAGE) if e["id"] <= end]
+        if not page:
+            return
+        yield from page
+        read += len(page)
+        nxt = page[-1]["id"] + 1
+        if report is not None:
+            report("events read", read, end - after)
+
+
+def _renamed(e: dict[str, Any]) -> tuple[str, str, str] | None:
+    """(old table, new database, new table) of a table rename event, else None."""
+    obj = e.get("tableObj") or {}
+    if e.get("eventType") != "ALTER_TABLE" or not e.get("table") or not obj.get("table"):
+        return None
+    old = str(e["table"]).lower()
+    new_db = str(obj.get("db") or e.get("db") or "").lower()
+    new = str(obj["table"]).lower()
+    if (new_db, new) == (str(e.get("db") or "").lower(), old):
+        return None
+    return old, new_db, new
+
+
+def _moves(events: Iterator[dict[str, Any]], db: str) -> tuple[set[str], set[str]]:
+    """Of the tables of `db`: the names renames touched (either end), and the names that
+    events dropped (explaining why a table vanished; `_ALL` when the database was)."""
+    moved: set[str] = set()
+    gone: set[str] = set()
+    for e in events:
+        same_db = str(e.get("db") or "").lower() == db
+        if same_db and e.get("eventType") == "DROP_DATABASE":
+            gone.add(_ALL)
+        elif same_db and e.get("eventType") == "DROP_TABLE" and e.get("table"):
+            gone.add(str(e["table"]).lower())
+        elif (r := _renamed(e)) is not None:
+            old, new_db, new = r
+            if same_db:
+                moved.add(old)
+            if new_db == db:
+                moved.add(new)
+    return moved, gone
+
+
+def _follow(table: str, events: Iterator[dict[str, Any]]) -> list[str]:
+    """The names `table` took through the renames among `events` (same database), in
+    order: the last is its name now."""
+    chain = [table]
+    for e in events:
+        r = _renamed(e)
+        if r is not None and r[0] == chain[-1] and r[1] == str(e.get("db") or "").lower():
+            chain.append(r[2])
+    return chain
 
 
 def _list_files(spark: Any, dirs: list[tuple[str, str, str]]) -> list[tuple[str, str, str, int]]:

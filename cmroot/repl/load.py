@@ -21,10 +21,11 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 from urllib.parse import unquote
 
+from cmroot import faults
 from cmroot.client import Client
 from cmroot.durable import sync_filesystem
 from cmroot.exceptions import FileLost, ReplError
@@ -169,6 +170,7 @@ class Loader:
         total = len(todo)
         for i, e in enumerate(todo, 1):
             self._apply(e)
+            faults.point("load.applied")
             self.result.events += 1
             self.report("events applied", i, total)
         self._flush(checkpoint=None)
@@ -261,7 +263,7 @@ class Loader:
             self._defs[e.table.lower()] = e.table_obj
         if kind == "CREATE_DATABASE":
             if self.table is None:
-                self.dest.create_db(self.db)
+                self._create_db()
         elif kind == "DROP_DATABASE":
             if self.table is None:
                 self._flush(e.id)
@@ -291,6 +293,12 @@ class Loader:
         else:
             raise ReplError("unknown event type in the dump", f"event {e.id}: {kind}")
 
+    def _create_db(self) -> None:
+        """A bootstrap's database, even one its own events dropped and re-created, keeps
+        its marker: a rerun after a crash may go on in it."""
+        db_boot = self.table is None and self.dump.header.kind == "bootstrap"
+        self.dest.create_db(self.db, {BOOTSTRAP: self._marker()} if db_boot else None)
+
     def _dst_table(self, e: DumpEvent) -> str:
         if self.table is not None:
             return self.table
@@ -302,8 +310,12 @@ class Loader:
         src = (e.table or "").lower()
         obj = e.table_obj if e.table_obj is not None else self._defs.get(src)
         if obj is None:
-            for later in self.dump.events:  # a CTAS writes its files before its table
-                if later.type == "CREATE_TABLE" and (later.table or "").lower() == src:
+            # A CTAS writes its files before its table is created; a table a bootstrap read
+            # under its new name has only the rename's definition under its old one.
+            for later in self.dump.events:
+                if later.type in ("CREATE_TABLE", "ALTER_TABLE") and (
+                    later.table or ""
+                ).lower() == src and later.table_obj is not None:
                     obj = later.table_obj
                     break
         return _known(obj, e)
@@ -313,7 +325,7 @@ class Loader:
         if dst in self._tables:
             return dst
         if not self.dest.has_db(self.db):
-            self.dest.create_db(self.db)
+            self._create_db()
         if not self.dest.has_table(self.db, dst):
             obj = self._definition(e)
             if obj is None:
@@ -423,9 +435,11 @@ class Loader:
         self._defs[new_name] = new
         dst = self._dst_table(e)
         if self.table is None and new_name != old_name:
-            if self.dest.has_table(self.db, old_name) and not self.dest.has_table(
-                self.db, new_name
-            ):
+            if self.dest.has_table(self.db, new_name):
+                # The source had no `new_name` before this rename: the replica's is a
+                # bootstrap's newer read of the renamed table, and `old_name` is stale.
+                self._drop_table(replace(e, table=old_name))
+            elif self.dest.has_table(self.db, old_name):
                 self.dest.rename_table(self.db, old_name, new_name)
             self._tables.discard(old_name)
             dst = new_name

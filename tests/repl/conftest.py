@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -44,7 +45,7 @@ class Source(Lake):
                     spark=self.spark, **kw)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Source]:
     pytest.importorskip("pyspark")
     env = {"CMROOT_STORE_RETAIN_OVERRIDES": RETAIN_OVERRIDES}
@@ -65,15 +66,21 @@ class Destination:
         return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get(
             "PYTHONPATH", "")}
 
-    def run(self, *steps: dict[str, Any]) -> list[dict[str, Any]]:
-        """Run the steps (see tests/repl/destination.py) in one destination process."""
+    def run(self, *steps: dict[str, Any], faults: str | None = None) -> list[dict[str, Any]]:
+        """Run the steps (see tests/repl/destination.py) in one destination process. With
+        `faults` (CMROOT_FAULTS), the process must die at that fault point: nothing is
+        returned."""
         self.plans += 1
         plan = self.base / f"plan-{self.plans}.json"
         plan.write_text(json.dumps({"base": str(self.base), "steps": list(steps)}))
+        env = self.env() | ({"CMROOT_FAULTS": faults} if faults else {})
         res = subprocess.run(
             [sys.executable, "-m", "tests.repl.destination", str(plan)],
-            capture_output=True, text=True, env=self.env(), cwd=self.base, timeout=600,
+            capture_output=True, text=True, env=env, cwd=self.base, timeout=600,
         )
+        if faults:
+            assert res.returncode == -signal.SIGKILL, res.stderr[-5000:]
+            return []
         assert res.returncode == 0, res.stderr[-5000:]
         answers: list[dict[str, Any]] = json.loads(res.stdout.strip().splitlines()[-1])
         return answers
