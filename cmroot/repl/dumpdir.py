@@ -15,10 +15,11 @@ from __future__ import annotations
 import json
 import posixpath
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Annotated, Any
 
 import fsspec
+import msgspec
 
 from cmroot.exceptions import ReplError
 
@@ -28,6 +29,9 @@ from cmroot.exceptions import ReplError
 FORMAT = 2
 READS = (1, 2)
 HEADER = "_dump.json"
+EVENTS = "events.parquet"
+FILES = "files.parquet"
+KINDS = ("bootstrap", "incremental")
 
 # (name, pyarrow type) of each column; pyarrow is imported only where a dump is read or
 # written, because executors import this package and each fresh worker would pay for it.
@@ -149,9 +153,9 @@ def write(
             file_rows["path"].append(f["path"])
             file_rows["checksum"].append(f["checksum"])
             file_rows["size"].append(int(f["size"]))
-    with fs.open(posixpath.join(root, "events.parquet"), "wb") as out:
+    with fs.open(posixpath.join(root, EVENTS), "wb") as out:
         pq.write_table(pa.table(ev_rows, schema=_schema(EVENT_COLUMNS)), out)
-    with fs.open(posixpath.join(root, "files.parquet"), "wb") as out:
+    with fs.open(posixpath.join(root, FILES), "wb") as out:
         pq.write_table(pa.table(file_rows, schema=_schema(FILE_COLUMNS)), out)
     for name, meta in tables.items():
         with fs.open(posixpath.join(root, "tables", f"{name}.json"), "w") as out:
@@ -172,75 +176,171 @@ class Dump:
             yield from e.files
 
 
-def read(url: str) -> Dump:
-    """Read a dump directory; a missing header or another format is a clear error."""
-    import pyarrow.parquet as pq
+class _EventRow(msgspec.Struct, rename={"type": "eventType"}):
+    """A row of events.parquet, checked before it becomes a DumpEvent."""
 
+    id: int
+    seq: int
+    type: str
+    db: str | None
+    table: str | None
+    partitions: str  # JSON: decoded as _PARTITIONS
+    location: str | None
+    table_obj: str | None  # JSON: decoded as _TABLE_OBJ
+    purge: bool
+    timestamp: float
+
+
+class _FileRow(msgspec.Struct):
+    """A row of files.parquet."""
+
+    event_id: int
+    seq: int
+    path: str
+    checksum: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
+    size: Annotated[int, msgspec.Meta(ge=0)]
+
+
+_PARTITIONS = msgspec.json.Decoder(list[dict[str, str]])
+_TABLE_OBJ = msgspec.json.Decoder(dict[str, Any] | None)
+_OBJECT = msgspec.json.Decoder(dict[str, Any])
+
+
+def read(url: str) -> Dump:
+    """Read a dump directory. A missing header, another format or a damaged file (a field
+    of the wrong type, a file that does not parse) is a ReplError naming the file and what
+    is wrong: a dump is read before anything is applied, so a bad one changes nothing."""
     fs, root = fsspec.core.url_to_fs(url)
+    header = _header(url, fs, root)
+    by_key: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for i, r in enumerate(_rows(url, fs, root, FILES)):
+        try:
+            file = msgspec.convert(r, _FileRow)
+        except msgspec.ValidationError as e:
+            raise _damaged(url, FILES, f"row {i}: {e}") from None
+        by_key.setdefault((file.event_id, file.seq), []).append(
+            {"path": file.path, "checksum": file.checksum, "size": file.size}
+        )
+    events = []
+    for i, r in enumerate(_rows(url, fs, root, EVENTS)):
+        if "eventType" not in r and "event_type" in r:  # format 1's name
+            r["eventType"] = r.pop("event_type")
+        try:
+            row = msgspec.convert(r, _EventRow)
+        except msgspec.ValidationError as e:
+            raise _damaged(url, EVENTS, f"row {i}: {e}") from None
+        events.append(DumpEvent(
+            id=row.id,
+            seq=row.seq,
+            type=row.type,
+            db=row.db,
+            table=row.table,
+            partitions=_decode(_PARTITIONS, row.partitions, url, EVENTS,
+                               f"row {i}: partitions is not a JSON list of string maps"),
+            location=row.location,
+            table_obj=None if row.table_obj is None else _decode(
+                _TABLE_OBJ, row.table_obj, url, EVENTS, f"row {i}: table_obj is not a JSON object"),
+            purge=row.purge,
+            timestamp=row.timestamp,
+            files=by_key.get((row.id, row.seq), []),
+        ))
+    events.sort(key=lambda e: (e.id, e.seq))
+    tables = {}
+    for path in fs.glob(posixpath.join(root, "tables", "*.json")):
+        name = f"tables/{posixpath.basename(path)}"
+        with fs.open(path, "rb") as f:
+            meta = _decode(_OBJECT, f.read(), url, name, "not a JSON object")
+        if meta.get("tableObj") is not None and not isinstance(meta["tableObj"], dict):
+            raise _damaged(url, name, "tableObj is not a JSON object")
+        tables[posixpath.basename(path)[: -len(".json")]] = meta
+    return Dump(url, header, events, tables)
+
+
+def _header(url: str, fs: Any, root: str) -> Header:
+    """The header, checked: its format first, as another format may have other fields."""
     try:
-        with fs.open(posixpath.join(root, HEADER), "r") as f:
-            raw = json.load(f)
+        with fs.open(posixpath.join(root, HEADER), "rb") as f:
+            text = f.read()
     except FileNotFoundError:
         raise ReplError(
             "not a complete dump",
             f"{url} has no {HEADER}: point --from-dir at the directory `cmroot repl dump` "
             "printed; an interrupted dump must be taken again",
         ) from None
-    if raw.get("format") not in READS:
+    raw = _decode(_OBJECT, text, url, HEADER, "not a JSON object")
+    if "format" not in raw:
+        raise _damaged(url, HEADER, "no format")
+    fmt = raw["format"]
+    if type(fmt) is int and fmt not in READS:  # not a bool (True == 1): refused below
         raise ReplError(
-            "unsupported dump format", f"{url}: format {raw.get('format')}, this cmroot reads "
-            f"{', '.join(map(str, READS))}; load it with the cmroot version that wrote it"
+            "unsupported dump format",
+            f"{url.rstrip('/')}/{HEADER}: format {fmt}, this cmroot reads "
+            f"{', '.join(map(str, READS))}; load it with the cmroot version that wrote it",
         )
     # Fields a later release of this format adds are ignored: readers skip what they lack.
-    known = {f.name for f in fields(Header)}
-    header = Header(**{k: v for k, v in raw.items() if k in known})
-    with fs.open(posixpath.join(root, "events.parquet"), "rb") as f:
-        ev = pq.read_table(f).to_pylist()
-    with fs.open(posixpath.join(root, "files.parquet"), "rb") as f:
-        files = pq.read_table(f).to_pylist()
-    by_key: dict[tuple[int, int], list[dict[str, Any]]] = {}
-    for r in files:
-        by_key.setdefault((r["event_id"], r["seq"]), []).append(
-            {"path": r["path"], "checksum": r["checksum"], "size": r["size"]}
-        )
-    events = [
-        DumpEvent(
-            id=r["id"],
-            seq=r["seq"],
-            type=r["eventType"] if "eventType" in r else r["event_type"],
-            db=r["db"],
-            table=r["table"],
-            partitions=json.loads(r["partitions"]),
-            location=r["location"],
-            table_obj=None if r["table_obj"] is None else json.loads(r["table_obj"]),
-            purge=r["purge"],
-            timestamp=r["timestamp"],
-            files=by_key.get((r["id"], r["seq"]), []),
-        )
-        for r in sorted(ev, key=lambda r: (r["id"], r["seq"]))
-    ]
-    tables = {}
-    for path in fs.glob(posixpath.join(root, "tables", "*.json")):
-        with fs.open(path, "r") as f:
-            tables[posixpath.basename(path)[: -len(".json")]] = json.load(f)
-    return Dump(url, header, events, tables)
+    try:
+        header = msgspec.convert(raw, Header)
+    except msgspec.ValidationError as e:
+        raise _damaged(url, HEADER, str(e)) from None
+    if header.kind not in KINDS:
+        raise _damaged(url, HEADER, f"kind {header.kind[:40]!r} is not one of {', '.join(KINDS)}")
+    return header
+
+
+def _rows(url: str, fs: Any, root: str, name: str) -> list[dict[str, Any]]:
+    """The rows of a Parquet file of the dump, each as a dict."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        with fs.open(posixpath.join(root, name), "rb") as f:
+            rows: list[dict[str, Any]] = pq.read_table(f).to_pylist()
+    except (OSError, pa.ArrowException) as e:
+        # pyarrow says OSError for corrupt pages as well as for a failed read.
+        raise _damaged(url, name, f"cannot be read ({str(e)[:200]}; if the filesystem "
+                                  "failed, retry)") from None
+    return rows
+
+
+def _decode(decoder: msgspec.json.Decoder[Any], text: str | bytes, url: str, name: str,
+            what: str) -> Any:
+    """JSON from a file of the dump, as `decoder`'s type; else `what` is wrong."""
+    try:
+        return decoder.decode(text)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise _damaged(url, name, f"{what} ({str(e)[:200]})") from None
+
+
+def _damaged(url: str, name: str, what: str) -> ReplError:
+    return ReplError(
+        "damaged dump",
+        f"{url.rstrip('/')}/{name}: {what}: the dump is damaged or was not written by cmroot;"
+        " take it again",
+    )
 
 
 def in_scope(
     events: Iterable[dict[str, Any]], db: str, table: str | None
 ) -> Iterator[tuple[dict[str, Any], bool]]:
     """Each API event with whether it concerns `db` (or one table of it, followed through
-    renames)."""
-    db, current = db.lower(), table.lower() if table else None
+    renames, into other databases too). A table renamed into `db` concerns it: the rename
+    brings the table (its event lists the files)."""
+    db_now, current = db.lower(), table.lower() if table else None
     for e in events:
-        if (e.get("db") or "").lower() != db:
+        e_db = (e.get("db") or "").lower()
+        obj = e.get("tableObj") or {}
+        renamed = e["eventType"] == "ALTER_TABLE" and obj.get("table")
+        if current is None:
+            entering = renamed and str(obj.get("db") or "").lower() == db_now
+            yield e, e_db == db_now or bool(entering)
+        elif e_db != db_now:
             yield e, False
-        elif current is None or e["eventType"] in ("CREATE_DATABASE", "DROP_DATABASE"):
+        elif e["eventType"] in ("CREATE_DATABASE", "DROP_DATABASE"):
             yield e, True
         elif (e.get("table") or "").lower() == current:
-            new = (e.get("tableObj") or {}).get("table")
-            if e["eventType"] == "ALTER_TABLE" and new:
-                current = new.lower()
+            if renamed:
+                current = str(obj["table"]).lower()
+                db_now = str(obj.get("db") or e_db).lower()
             yield e, True
         else:
             yield e, False

@@ -432,6 +432,10 @@ class Loader:
         if new is None:
             return
         old_name, new_name = (e.table or "").lower(), str(new.get("table") or e.table).lower()
+        old_db, new_db = (e.db or "").lower(), str(new.get("db") or e.db or "").lower()
+        if self.table is None and new_db != old_db:
+            self._across(e, new, new_db, new_name)
+            return
         self._defs[new_name] = new
         dst = self._dst_table(e)
         if self.table is None and new_name != old_name:
@@ -458,6 +462,21 @@ class Loader:
         gone = [k for k in cur if k not in want]
         if gone:
             self.dest.unset_table_properties(self.db, dst, gone)
+
+    def _across(self, e: DumpEvent, new: dict[str, Any], new_db: str, new_name: str) -> None:
+        """A table renamed into another database: gone from the one it left; in the one it
+        entered, made from the event alone (its definition, and its files as listed at
+        their new place), unless a bootstrap's newer read of it is there already."""
+        if (e.db or "").lower() == self.dump.header.db.lower():
+            self._drop_table(e)
+            return
+        if self.dest.has_table(self.db, new_name):
+            return
+        entered = replace(e, type="CREATE_TABLE", db=new_db, table=new_name,
+                          location=tabledef.location(new), table_obj=new)
+        self._defs[new_name] = new
+        self._ensure_table(entered)
+        self._add(entered)
 
     def _relocate(self, e: DumpEvent) -> None:
         """A table given a new location at the source (the recorded ALTER_LOCATION, with its

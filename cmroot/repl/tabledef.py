@@ -47,8 +47,8 @@ def qualified(db: str, table: str) -> str:
 
 
 def location(table_obj: dict[str, Any]) -> str | None:
-    loc = table_obj.get("location")
-    return str(loc).rstrip("/") if loc else None
+    loc = _text(table_obj, "location")
+    return loc.rstrip("/") if loc else None
 
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -58,68 +58,179 @@ _PROVIDER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 def provider(table_obj: dict[str, Any]) -> str | None:
     """The data source the table was created with (None: a Hive table). It is spliced
     after USING, so only a (dotted) name is taken."""
-    p = (table_obj.get("parameters") or {}).get("spark.sql.sources.provider")
+    p = _strings(table_obj, "parameters").get("spark.sql.sources.provider")
     if not p:
         return None
-    if not _PROVIDER.fullmatch(str(p)):
+    if not _PROVIDER.fullmatch(p):
         raise ReplError(
             "bad table provider",
-            f"{_name(table_obj)}: provider {str(p)[:80]!r} is not a data source name"
+            f"{_name(table_obj)}: provider {p[:80]!r} is not a data source name"
             " (parquet, orc, org.apache.spark.sql.parquet, ...): the dump is damaged or was"
             " not written by cmroot",
         )
-    return str(p)
+    return p
 
 
 def _name(table_obj: dict[str, Any]) -> str:
     return f"{table_obj.get('db')}.{table_obj.get('table')}"
 
 
-def _spark_schema(params: dict[str, str]) -> dict[str, Any] | None:
+def _damaged(table_obj: dict[str, Any], what: str) -> ReplError:
+    return ReplError(
+        "damaged table definition",
+        f"{_name(table_obj)}: {what}: the dump is damaged or was not written by cmroot",
+    )
+
+
+def _text(table_obj: dict[str, Any], key: str) -> str | None:
+    """A string the definition may lack (location, serde, formats)."""
+    value = table_obj.get(key)
+    if value is not None and not isinstance(value, str):
+        raise _damaged(table_obj, f"{key} is {_shown(value)}, not a string")
+    return value
+
+
+def _strings(table_obj: dict[str, Any], key: str) -> dict[str, str]:
+    """A map of strings (parameters, serdeParameters), as the metastore keeps them: any
+    other value would be written into the destination's SQL as its Python spelling."""
+    value = table_obj.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _damaged(table_obj, f"{key} is {_shown(value)}, not an object")
+    for k, v in value.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise _damaged(table_obj, f"{key}[{k!r}] is {_shown(v)}, not a string")
+    return value
+
+
+def _shown(value: Any) -> str:
+    return f"{type(value).__name__} {str(value)[:80]!r}"
+
+
+def _count(table_obj: dict[str, Any], params: dict[str, str], key: str) -> int:
+    """How many `.part.N`/`.partCol.N` parameters Spark split a value into."""
+    n = params[key]
+    if not re.fullmatch(r"[0-9]{1,6}", n):
+        raise _damaged(table_obj, f"parameter {key} is {n[:20]!r}, not a count")
+    return int(n)
+
+
+def _part(table_obj: dict[str, Any], params: dict[str, str], key: str) -> str:
+    if key not in params:
+        raise _damaged(table_obj, f"parameter {key} is missing")
+    return params[key]
+
+
+def _spark_schema(table_obj: dict[str, Any]) -> dict[str, Any] | None:
+    params = _strings(table_obj, "parameters")
     text = params.get(_SCHEMA)
     if text is None and f"{_SCHEMA}.numParts" in params:
-        n = int(params[f"{_SCHEMA}.numParts"])
-        text = "".join(params[f"{_SCHEMA}.part.{i}"] for i in range(n))
-    return json.loads(text) if text else None
+        n = _count(table_obj, params, f"{_SCHEMA}.numParts")
+        text = "".join(_part(table_obj, params, f"{_SCHEMA}.part.{i}") for i in range(n))
+    if not text:
+        return None
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise _damaged(table_obj, f"its Spark schema is not JSON ({str(e)[:80]})") from None
+    if not isinstance(schema, dict) or schema.get("type") != "struct":
+        raise _damaged(table_obj, f"its Spark schema {text[:80]!r} is not a struct type")
+    return schema
 
 
 def partition_columns(table_obj: dict[str, Any]) -> list[str]:
-    params = table_obj.get("parameters") or {}
-    n = params.get(f"{_SCHEMA}.numPartCols")
-    if n is not None:
-        return [params[f"{_SCHEMA}.partCol.{i}"] for i in range(int(n))]
-    return [k["name"] for k in table_obj.get("partitionKeys") or []]
+    params = _strings(table_obj, "parameters")
+    if f"{_SCHEMA}.numPartCols" in params:
+        n = _count(table_obj, params, f"{_SCHEMA}.numPartCols")
+        return [_part(table_obj, params, f"{_SCHEMA}.partCol.{i}") for i in range(n)]
+    return [name for name, _ in _hive_columns(table_obj, "partitionKeys")]
 
 
 def columns(table_obj: dict[str, Any]) -> list[tuple[str, str]]:
     """(name, type) of every column, partition columns last, in Spark SQL type syntax."""
-    schema = _spark_schema(table_obj.get("parameters") or {})
+    schema = _spark_schema(table_obj)
     if schema is not None:
-        from pyspark.sql.types import StructType
-
-        if _has_udt(schema):
-            # pyspark imports a user-defined type's class named in the JSON: never from a dump.
-            raise ReplError("user-defined column type",
-                            f"{_name(table_obj)}: user-defined types are not replicated")
-        return [(f.name, _spark_type(f.dataType)) for f in StructType.fromJson(schema).fields]
-    cols = list(table_obj.get("columns") or []) + list(table_obj.get("partitionKeys") or [])
+        return _spark_columns(table_obj, schema)
     out = []
-    for c in cols:
+    for name, text in _hive_columns(table_obj, "columns") + _hive_columns(
+        table_obj, "partitionKeys"
+    ):
         try:
-            out.append((c["name"], _TypeParser(str(c["type"])).parse()))
+            out.append((name, _TypeParser(text).parse()))
+        except _Unsupported as e:
+            raise _unsupported(table_obj, name, text, str(e)) from None
         except ValueError as e:
             raise ReplError(
                 "bad column type",
-                f"{_name(table_obj)}: column type {str(c['type'])[:120]!r} of {c['name']!r}"
+                f"{_name(table_obj)}: column type {text[:120]!r} of {name!r}"
                 f" does not parse ({e}): the dump is damaged or was not written by cmroot",
             ) from None
     return out
 
 
-def _has_udt(node: Any) -> bool:
-    if isinstance(node, dict):
-        return node.get("type") == "udt" or any(_has_udt(v) for v in node.values())
-    return isinstance(node, list) and any(_has_udt(v) for v in node)
+def _unsupported(table_obj: dict[str, Any], column: str, text: str, why: str) -> ReplError:
+    return ReplError(
+        "unsupported column type",
+        f"{_name(table_obj)}: column {column!r} has type {text[:120]!r}: {why}; the table "
+        "cannot be replicated through Spark",
+    )
+
+
+def _hive_columns(table_obj: dict[str, Any], key: str) -> list[tuple[str, str]]:
+    """(name, Hive type) of the metastore's `columns` or `partitionKeys`."""
+    value = table_obj.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _damaged(table_obj, f"{key} is {_shown(value)}, not a list")
+    for c in value:
+        if not (isinstance(c, dict) and isinstance(c.get("name"), str)
+                and isinstance(c.get("type"), str)):
+            raise _damaged(table_obj, f"{key} holds {_shown(c)}, not a column with a name and a"
+                                      " type")
+    return [(c["name"], c["type"]) for c in value]
+
+
+def _spark_columns(table_obj: dict[str, Any], schema: dict[str, Any]) -> list[tuple[str, str]]:
+    _check_spark_type(table_obj, schema)
+    from pyspark.sql.types import StructType
+
+    try:
+        fields = StructType.fromJson(schema).fields
+    except (ValueError, TypeError, AttributeError, AssertionError, RecursionError) as e:
+        # What the structural check leaves to pyspark: type names, collation metadata.
+        raise _damaged(table_obj, f"its Spark schema does not parse ({str(e)[:120]})") from None
+    return [(f.name, _spark_type(f.dataType)) for f in fields]
+
+
+def _check_spark_type(table_obj: dict[str, Any], node: Any, column: str = "") -> None:
+    """Refuse what is not a data type as Spark writes one in JSON (a type name; an array, map
+    or struct object) before pyspark reads it: pyspark fails on a missing key with a KeyError,
+    and imports the class a user-defined type names, never to be done for a dump. Only data
+    types are looked at: a field's metadata is free-form, whatever it holds. `column` is the
+    (dotted) field the type is of."""
+    if isinstance(node, str):
+        return
+    kind = node.get("type") if isinstance(node, dict) else None
+    if kind == "udt":
+        raise ReplError("user-defined column type", f"{_name(table_obj)}: column {column!r} has"
+                        f" the type {str(node.get('class'))[:80]!r}: user-defined types are not"
+                        " replicated")
+    if kind == "struct" and isinstance(node.get("fields"), list):
+        for f in node["fields"]:
+            if not (isinstance(f, dict) and isinstance(f.get("name"), str)
+                    and isinstance(f.get("nullable", True), bool)
+                    and isinstance(f.get("metadata", {}), dict)):
+                raise _damaged(table_obj, f"its Spark schema has a field {_shown(f)}")
+            _check_spark_type(table_obj, f.get("type"), f"{column}.{f['name']}".lstrip("."))
+    elif kind == "array" and isinstance(node.get("containsNull"), bool):
+        _check_spark_type(table_obj, node.get("elementType"), column)
+    elif kind == "map" and isinstance(node.get("valueContainsNull"), bool):
+        _check_spark_type(table_obj, node.get("keyType"), column)
+        _check_spark_type(table_obj, node.get("valueType"), column)
+    else:
+        raise _damaged(table_obj, f"its Spark schema has a type {_shown(node)}")
 
 
 def _spark_type(dt: Any) -> str:
@@ -137,11 +248,66 @@ def _spark_type(dt: Any) -> str:
     return str(dt.simpleString())
 
 
+# Hive's column types that Spark has, by every name Hive's DDL and its metastore use, with
+# Spark's name and how many arguments (precision, scale, length) each takes.
+_TYPES: dict[str, tuple[str, int, int]] = {
+    "boolean": ("boolean", 0, 0),
+    "tinyint": ("tinyint", 0, 0),
+    "smallint": ("smallint", 0, 0),
+    "int": ("int", 0, 0),
+    "integer": ("int", 0, 0),
+    "bigint": ("bigint", 0, 0),
+    "float": ("float", 0, 0),
+    "real": ("float", 0, 0),
+    "double": ("double", 0, 0),  # also `double precision`
+    "string": ("string", 0, 0),
+    "binary": ("binary", 0, 0),
+    "date": ("date", 0, 0),
+    "timestamp": ("timestamp", 0, 0),
+    "decimal": ("decimal", 0, 2),
+    "dec": ("decimal", 0, 2),
+    "numeric": ("decimal", 0, 2),
+    "char": ("char", 1, 1),
+    "varchar": ("varchar", 1, 1),
+    "interval_year_month": ("interval year to month", 0, 0),
+    "interval_day_time": ("interval day to second", 0, 0),
+}
+_LOCAL_TZ_WHY = (
+    "Spark has no such column type (Spark 4 takes the words but creates a plain timestamp,"
+    " which is not what the source's files hold)"
+)
+# Hive types Spark cannot create a column of, and why.
+_UNSUPPORTED = {
+    "uniontype": "Spark has no union type",
+    "timestamplocaltz": _LOCAL_TZ_WHY,
+}
+_UNITS = ("year", "month", "day", "hour", "minute", "second")
+_END = r"(?![A-Za-z0-9_])"
+_INTERVAL = re.compile(
+    rf"\s+({'|'.join(_UNITS)}){_END}(?:\s+to\s+({'|'.join(_UNITS)}){_END})?", re.IGNORECASE
+)
+_PRECISION = re.compile(rf"\s+precision{_END}", re.IGNORECASE)
+_WITH_LOCAL_TZ = re.compile(rf"\s+with\s+local\s+time\s+zone{_END}", re.IGNORECASE)
+_COMMENT = re.compile(rf"\s*comment{_END}\s*", re.IGNORECASE)
+# Hive's string literal: quoted pieces, one after the other, each with backslash escapes.
+_PIECE = r"'(?:[^'\\]|\\.)*'" + r'|"(?:[^"\\]|\\.)*"'
+_STRING = re.compile(rf"(?:{_PIECE})+", re.DOTALL)
+_ESCAPE = re.compile(r"\\(u[0-9A-Fa-f]{4}|[01][0-7]{2}|.)", re.DOTALL)
+_ESCAPED = {"0": "\0", "b": "\b", "n": "\n", "r": "\r", "t": "\t", "Z": "\x1a",
+            "%": "\\%", "_": "\\_"}
+
+
+class _Unsupported(ValueError):
+    """A Hive type that parses but that Spark cannot create a column of."""
+
+
 class _TypeParser:
-    """A Hive column type (`decimal(10,2)`, `array<struct<a:int,b b:string>>`), parsed and
-    written back with every struct field name quoted: the only SQL a dump's type string
-    can become. Anything else (a clause after the type, a comment, unbalanced brackets)
-    raises ValueError."""
+    """A Hive column type (`decimal(10,2)`, `array<struct<a:int,b b:string COMMENT 'x'>>`),
+    parsed and written back as Spark's parser takes it: every struct field name quoted, every
+    comment re-quoted, Hive's other spellings (`double precision`, `interval_day_time`) as
+    Spark's names. This is the only SQL a dump's type string can become. Anything else (a
+    clause after the type, unbalanced brackets) raises ValueError; a type Spark has no column
+    of raises _Unsupported."""
 
     def __init__(self, text: str) -> None:
         self.s = text
@@ -164,6 +330,12 @@ class _TypeParser:
             self.i += len(ch)
             return True
         return False
+
+    def _match(self, pattern: re.Pattern[str]) -> re.Match[str] | None:
+        m = pattern.match(self.s, self.i)
+        if m:
+            self.i = m.end()
+        return m
 
     def _expect(self, ch: str) -> None:
         if not self._take(ch):
@@ -188,21 +360,48 @@ class _TypeParser:
             value = self._type()
             self._expect(">")
             return f"map<{key},{value}>"
-        if name in ("struct", "uniontype"):
+        if name == "struct":
             self._expect("<")
             items: list[str] = []
             while not self._take(">"):
                 if items:
                     self._expect(",")
-                items.append(self._field() if name == "struct" else self._type())
-            return f"{name}<{','.join(items)}>"
-        if not self._take("("):
-            return name
-        args = [self._int()]
-        while self._take(","):
+                items.append(self._field())
+            return f"struct<{','.join(items)}>"
+        if name == "interval":
+            return self._interval()
+        if name == "double":
+            self._match(_PRECISION)
+        elif name == "timestamp" and self._match(_WITH_LOCAL_TZ):
+            raise _Unsupported(_LOCAL_TZ_WHY)
+        if name in _UNSUPPORTED:
+            raise _Unsupported(_UNSUPPORTED[name])
+        if name not in _TYPES:
+            raise _Unsupported(f"{name} is not a column type Hive and Spark share")
+        spark, least, most = _TYPES[name]
+        args = []
+        if self._take("("):
             args.append(self._int())
-        self._expect(")")
-        return f"{name}({','.join(args)})"
+            while self._take(","):
+                args.append(self._int())
+            self._expect(")")
+        if not least <= len(args) <= most:
+            raise ValueError(f"{name} takes {least} to {most} arguments, not {len(args)}")
+        return f"{spark}({','.join(args)})" if args else spark
+
+    def _interval(self) -> str:
+        """`interval <unit> [to <unit>]`: Hive's two (year to month, day to second) and the
+        others Spark has."""
+        m = self._match(_INTERVAL)
+        if not m:
+            raise ValueError(f"expected an interval's unit at {self.s[self.i:self.i + 20]!r}")
+        start, end = m.group(1).lower(), (m.group(2) or "").lower()
+        if not end:
+            return f"interval {start}"
+        years = ("year", "month")
+        if _UNITS.index(start) >= _UNITS.index(end) or (start in years) != (end in years):
+            raise ValueError(f"no interval runs from {start} to {end}")
+        return f"interval {start} to {end}"
 
     def _int(self) -> str:
         self._ws()
@@ -227,13 +426,41 @@ class _TypeParser:
             self.i = m.end()
             name = m.group().strip()
         self._expect(":")
-        return f"{quote(name)}:{self._type()}"
+        field = f"{quote(name)}:{self._type()}"
+        if not self._match(_COMMENT):
+            return field
+        comment = self._match(_STRING)
+        if not comment:
+            raise ValueError(f"expected a quoted comment at {self.s[self.i:self.i + 20]!r}")
+        # Spark takes a struct field's comment too: kept, as Spark's literal of its text.
+        return f"{field} COMMENT {literal(_unquote(comment.group()))}"
+
+
+def _unquote(text: str) -> str:
+    """The text of a Hive string literal (BaseSemanticAnalyzer.unescapeSQLString)."""
+    def char(m: re.Match[str]) -> str:
+        e = m.group(1)
+        if len(e) == 5:
+            return chr(int(e[1:], 16))
+        if len(e) == 3:
+            return chr(int(e, 8))
+        return _ESCAPED.get(e, e)
+
+    return "".join(_ESCAPE.sub(char, piece[1:-1])
+                   for piece in re.findall(_PIECE, text, re.DOTALL))
+
+
+def _has_interval(sql_type: str) -> bool:
+    """Whether a type written by this module holds an interval: its keywords, without the
+    quoted field names and comments, name one."""
+    keywords = re.sub(r"`(?:[^`]|``)*`|'(?:[^'\\]|\\.)*'", "", sql_type, flags=re.DOTALL)
+    return re.search(r"\binterval\b", keywords) is not None
 
 
 def user_properties(table_obj: dict[str, Any]) -> dict[str, str]:
     return {
-        k: str(v)
-        for k, v in (table_obj.get("parameters") or {}).items()
+        k: v
+        for k, v in _strings(table_obj, "parameters").items()
         if not k.startswith("spark.sql.") and k not in _LOCAL_PARAMS
         and not k.startswith(REPL_PREFIXES)
     }
@@ -249,6 +476,9 @@ def create_sql(table_obj: dict[str, Any], db: str, table: str) -> str:
         )
     parts = partition_columns(table_obj)
     types = dict(cols)
+    missing = [p for p in parts if p not in types]
+    if missing:
+        raise _damaged(table_obj, f"its partition columns {missing} are not among its columns")
     prov = provider(table_obj)
     props = user_properties(table_obj)
     sql = [f"CREATE TABLE IF NOT EXISTS {qualified(db, table)}"]
@@ -258,28 +488,35 @@ def create_sql(table_obj: dict[str, Any], db: str, table: str) -> str:
         if parts:
             sql.append("PARTITIONED BY (" + ", ".join(quote(p) for p in parts) + ")")
         options = {
-            k: v for k, v in (table_obj.get("serdeParameters") or {}).items()
-            if str(k).lower() != "path"  # Spark reads the key in any case as the location
+            k: v for k, v in _strings(table_obj, "serdeParameters").items()
+            if k.lower() != "path"  # Spark reads the key in any case as the location
         }
         if options:
             sql.append("OPTIONS (" + properties_sql(options) + ")")
     else:
+        serde = _text(table_obj, "serde")
+        input_format = _text(table_obj, "inputFormat")
+        output_format = _text(table_obj, "outputFormat")
+        if serde or (input_format and output_format):  # the replica is a Hive-format table
+            for n, t in cols:
+                if _has_interval(t):
+                    raise _unsupported(table_obj, n, t, "Spark keeps intervals in data source"
+                                       " tables only, not in Hive-format ones")
         data = [(n, t) for n, t in cols if n not in parts]
         sql.append("(" + ", ".join(f"{quote(n)} {t}" for n, t in data) + ")")
         if parts:
             sql.append(
                 "PARTITIONED BY (" + ", ".join(f"{quote(p)} {types[p]}" for p in parts) + ")"
             )
-        serde = table_obj.get("serde")
         if serde:
             sql.append(f"ROW FORMAT SERDE {literal(serde)}")
-            serde_params = table_obj.get("serdeParameters") or {}
+            serde_params = _strings(table_obj, "serdeParameters")
             if serde_params:
                 sql.append("WITH SERDEPROPERTIES (" + properties_sql(serde_params) + ")")
-        if table_obj.get("inputFormat") and table_obj.get("outputFormat"):
+        if input_format and output_format:
             sql.append(
-                f"STORED AS INPUTFORMAT {literal(table_obj['inputFormat'])}"
-                f" OUTPUTFORMAT {literal(table_obj['outputFormat'])}"
+                f"STORED AS INPUTFORMAT {literal(input_format)}"
+                f" OUTPUTFORMAT {literal(output_format)}"
             )
     if props:
         sql.append("TBLPROPERTIES (" + properties_sql(props) + ")")

@@ -133,8 +133,11 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     }
     body.put("tableObj", Cmroot.tableMap(t));
     boolean flat = t.getPartitionKeysSize() == 0;
+    // A rename into another database brings the table into that database's scope: its
+    // replica takes the table from this event alone, so the event carries all its files.
+    boolean crossDb = !old.getDbName().equalsIgnoreCase(t.getDbName());
     record(body, s, "the change of table " + name(old),
-        moved ? () -> flat ? files(loc, s) : List.of() : null);
+        moved ? () -> flat ? files(loc, s) : List.of() : crossDb ? () -> files(loc, s) : null);
   }
 
   /**
