@@ -169,9 +169,12 @@ def _parser() -> argparse.ArgumentParser:
     r = repl.add_parser(
         "dump", parents=[common], help="write a dump: a bootstrap, or the events after --from"
     )
-    r.add_argument("scope", metavar="DB[.TABLE]")
+    r.add_argument("scope", nargs="?", metavar="DB[.TABLE]")
     r.add_argument("--from", dest="from_id", type=int, metavar="N",
                    help="incremental: the events after N (the id `repl status` printed)")
+    r.add_argument("--after", metavar="URI",
+                   help="incremental: continue the dump at URI (its scope, from its last"
+                        " event, a table followed through its renames)")
     r.add_argument("--to", dest="to_id", type=int, metavar="M", help="up to event M")
     r.add_argument("--limit", type=_count, metavar="K", help="at most K events")
     r.add_argument("--to-dir", required=True, metavar="URI", help="where to write the dump")
@@ -705,16 +708,27 @@ def _repl(args: argparse.Namespace) -> int:
     if args.repl_verb == "dump":
         url = options.get("url") or args.url or _load(args).server.base_url
         token = options.get("token") or args.token
+        if args.after is not None and (args.scope or args.from_id is not None):
+            raise BadRequest(
+                "--after takes its scope and start from the dump it continues",
+                "leave DB[.TABLE] and --from out, or give them without --after",
+            )
+        if args.after is None and not args.scope:
+            raise BadRequest("nothing to dump", "give DB[.TABLE], or --after DUMP_DIR")
         spark = None
-        if args.from_id is None:
+        if args.from_id is None and args.after is None:
             spark = session("cmroot repl dump", conf, hook=(url, token))
         progress = _ReplProgress(not args.quiet)
         with contextlib.closing(_client(url, token)) as client:
             try:
-                where, header = repl.dump(
-                    client, db, table or None, args.to_dir, args.from_id, args.to_id,
-                    args.limit, spark, progress,
-                )
+                if args.after is not None:
+                    where, header = repl.after(client, args.after, args.to_dir, args.to_id,
+                                               args.limit, progress)
+                else:
+                    where, header = repl.dump(
+                        client, db, table or None, args.to_dir, args.from_id, args.to_id,
+                        args.limit, spark, progress,
+                    )
             except OSError as e:
                 raise ConfigError(
                     f"cannot write the dump to {args.to_dir}",
@@ -723,7 +737,8 @@ def _repl(args: argparse.Namespace) -> int:
         _out(
             args,
             {"dump_dir": where, "last_event_id": header.last_event_id, "kind": header.kind,
-             "events": header.events, "files": header.files, "bytes": header.bytes},
+             "events": header.events, "files": header.files, "bytes": header.bytes,
+             "table_now": header.table_now},
             lambda r: f"{r['dump_dir']}\t{r['last_event_id']}",
         )
         return 0

@@ -11,7 +11,7 @@ exactly the states the source went through."""
 
 from __future__ import annotations
 
-from cmroot.repl.dump import dump
+from cmroot.repl.dump import after, dump
 from cmroot.repl.load import LoadResult, load, status
 
-__all__ = ["LoadResult", "dump", "load", "status"]
+__all__ = ["LoadResult", "after", "dump", "load", "status"]

@@ -65,6 +65,11 @@ class Destination:
     def columns(self, db: str, table: str) -> list[str]:
         return [f.name.lower() for f in self.spark.table(qualified(db, table)).schema.fields]
 
+    def data_schema(self, db: str, table: str) -> list[tuple[str, str]]:
+        """(name, Spark SQL type) of the table's data columns (partition columns left out)."""
+        schema = self._catalog().getTableMetadata(self._ident(db, table)).dataSchema()
+        return [(f.name(), _declared_type(f)) for f in schema.fields()]
+
     # -- writes ---------------------------------------------------------------------------
     def create_db(self, db: str, properties: dict[str, str] | None = None) -> None:
         props = f" WITH DBPROPERTIES ({properties_sql(properties)})" if properties else ""
@@ -77,8 +82,11 @@ class Destination:
     def set_db_properties(self, db: str, properties: dict[str, str]) -> None:
         self.sql(f"ALTER DATABASE {quote(db)} SET DBPROPERTIES ({properties_sql(properties)})")
 
-    def create_table(self, table_obj: dict[str, Any], db: str, table: str) -> None:
-        self.sql(tabledef.create_sql(table_obj, db, table))
+    def create_table(
+        self, table_obj: dict[str, Any], db: str, table: str,
+        properties: dict[str, str] | None = None,
+    ) -> None:
+        self.sql(tabledef.create_sql(table_obj, db, table, properties))
 
     def drop_table(self, db: str, table: str) -> None:
         self.sql(f"DROP TABLE IF EXISTS {qualified(db, table)} PURGE")
@@ -91,6 +99,16 @@ class Destination:
     def add_columns(self, db: str, table: str, cols: list[tuple[str, str]]) -> None:
         spec = ", ".join(f"{quote(n)} {t}" for n, t in cols)
         self.sql(f"ALTER TABLE {qualified(db, table)} ADD COLUMNS ({spec})")
+
+    def replace_data_schema(self, db: str, table: str, cols: list[tuple[str, str]]) -> None:
+        """Give the table exactly these data columns: what SQL cannot do to a non-v2 table
+        (drop, rename or retype a column), through the metastore as ADD COLUMNS does."""
+        ddl = ", ".join(f"{quote(n)} {t}" for n, t in cols)
+        schema = self._jvm.org.apache.spark.sql.types.StructType.fromDDL(ddl)
+        self.spark._jsparkSession.sharedState().externalCatalog().alterTableDataSchema(
+            db, table, schema
+        )
+        self.refresh(db, table)
 
     def set_table_properties(self, db: str, table: str, properties: dict[str, str]) -> None:
         props = properties_sql(properties)
@@ -114,6 +132,17 @@ class Destination:
 
     def refresh(self, db: str, table: str) -> None:
         self.sql(f"REFRESH TABLE {qualified(db, table)}")
+
+
+_CHAR_VARCHAR = "__CHAR_VARCHAR_TYPE_STRING"  # where Spark keeps a declared char/varchar
+
+
+def _declared_type(field: Any) -> str:
+    """A column's type as declared (char(n) and varchar(n) are strings to Spark, which
+    keeps the declaration in the field's metadata)."""
+    meta = field.metadata()
+    return str(meta.getString(_CHAR_VARCHAR)) if meta.contains(_CHAR_VARCHAR) else str(
+        field.dataType().sql())
 
 
 def _scala_map(m: Any) -> dict[str, str]:

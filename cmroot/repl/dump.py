@@ -44,10 +44,16 @@ def dump(
     limit: int | None = None,
     spark: Any = None,
     progress: Callable[[str, int, int | None], None] | None = None,
+    name_now: str | None = None,
 ) -> tuple[str, Header]:
-    """Write a dump under `to_dir`; returns its directory and header."""
+    """Write a dump under `to_dir`; returns its directory and header. `name_now`: for an
+    incremental dump of one table, the "db.table" the source calls it at `from_id` when
+    renames moved it since the scope was named (the previous dump's `table_now`)."""
     db = db.lower()
     table = table.lower() if table else None
+    src_db, src_table = db, table
+    if name_now is not None and table is not None:
+        src_db, _, src_table = name_now.lower().partition(".")
     if limit is not None and limit < 1:
         raise BadRequest("bad --limit", f"{limit}: give a positive number of events")
     if from_id is None and (to_id is not None or limit is not None):
@@ -58,17 +64,18 @@ def dump(
             raise ReplError("a bootstrap dump needs Spark", "pip install 'cmroot[spark]'")
         kind = "bootstrap"
         start = client.current_event()
-        events = list(_snapshot(spark, client, db, table, start, report))
-        tail, last = _events(client, db, table, start, None, None, report)
+        events = list(_snapshot(spark, client, src_db, src_table, start, report))
+        tail, last = _events(client, src_db, src_table, start, None, None, report)
         events += tail
         first = start
     else:
         kind = "incremental"
-        events, last = _events(client, db, table, from_id, to_id, limit, report)
+        events, last = _events(client, src_db, src_table, from_id, to_id, limit, report)
         first = from_id
     tables = _table_metadata(events)
     header = Header(kind, db, table, first, last, time.time(), client.url,
-                    source=client.log_id())
+                    source=client.log_id(),
+                    table_now=_name_at_end(src_db, src_table, events))
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(header.created))
     url = posixpath.join(to_dir.rstrip("/"), f"{header.scope}-{kind}-{first}-{last}-{stamp}")
     dumpdir.write(url, header, events, tables)
@@ -96,6 +103,36 @@ def _events(
                 break
             picked.append(DumpEvent.from_api(e))
     return picked, last
+
+
+def _name_at_end(db: str, table: str | None, events: list[DumpEvent]) -> str | None:
+    """A table-level dump's table as "db.table" after the dump's renames of it."""
+    if table is None:
+        return None
+    now = (db, table)
+    for e in events:
+        obj = e.table_obj or {}
+        if e.type == "ALTER_TABLE" and ((e.db or "").lower(), (e.table or "").lower()) == now \
+                and obj.get("table"):
+            now = (str(obj.get("db") or e.db).lower(), str(obj["table"]).lower())
+    return f"{now[0]}.{now[1]}"
+
+
+def after(
+    client: Client, previous: str, to_dir: str, to_id: int | None = None,
+    limit: int | None = None, progress: Callable[[str, int, int | None], None] | None = None,
+) -> tuple[str, Header]:
+    """The incremental dump that continues the dump at `previous`: the same scope, from its
+    last event id, the table followed to the name it had then."""
+    prev = dumpdir.read(previous).header
+    if prev.source and prev.source != client.log_id():
+        raise ReplError(
+            "the previous dump is of another source",
+            f"{previous} was taken of event log {prev.source} ({prev.daemon_url}); this daemon"
+            f" ({client.url}) keeps another: dump from the daemon the replica follows",
+        )
+    return dump(client, prev.db, prev.table, to_dir, prev.last_event_id, to_id, limit,
+                progress=progress, name_now=prev.table_now)
 
 
 def _table_metadata(events: list[DumpEvent]) -> dict[str, dict[str, Any]]:

@@ -111,6 +111,9 @@ class Header:
     bytes: int = 0
     format: int = FORMAT
     source: str = ""  # the identity of the source's event log (GET /v1/events/current)
+    # A table-level dump: "db.table", the table's name at `last_event_id` (renames followed),
+    # which the next dump of it names (`cmroot repl dump --after`).
+    table_now: str | None = None
 
     @property
     def scope(self) -> str:

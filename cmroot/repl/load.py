@@ -202,6 +202,33 @@ class Loader:
                 f" {props[BOOTSTRAP].split('@')[0]}) and no {LAST_ID}: load that bootstrap"
                 " dump again to finish it, then the incremental dumps after it",
             )
+        if h.kind == "incremental" and self._foreign(props):
+            raise ReplError(
+                "the target is not a replica",
+                f"{self._scope()} exists and was never loaded from a dump (no {LAST_ID}):"
+                " an incremental dump is applied only to its own replica; load it under"
+                " another name, or drop the target and start from a bootstrap",
+            )
+        if self.table is not None and self.dest.has_db(self.db):
+            whole = self.dest.db_properties(self.db)
+            if whole.get(LAST_ID) or whole.get(BOOTSTRAP):
+                raise ReplError(
+                    "the target database is a replica of a whole database",
+                    f"{self.db} replicates database {h.db}'s dumps: a one-table dump loaded"
+                    f" into it would change a table its own dumps own; load {h.scope} into"
+                    " another database",
+                )
+
+    def _foreign(self, props: dict[str, str]) -> bool:
+        """Does the target exist, hold data, and bear none of this replication's marks (an
+        id applied, a bootstrap, this source)?"""
+        if props.get(LAST_ID) or props.get(BOOTSTRAP):
+            return False
+        if self.dump.header.source and props.get(SOURCE) == self.dump.header.source:
+            return False  # made by an earlier run of this load, stopped before its first id
+        if self.table is None:
+            return self.dest.has_db(self.db) and bool(self.dest.tables(self.db))
+        return self.dest.has_table(self.db, self.table)
 
     def _marker(self) -> str:
         """The bootstrap this replica comes from: its event id, and the source's log."""
@@ -223,7 +250,7 @@ class Loader:
         run of this same bootstrap left; never over someone else's data."""
         marker = self._marker()
         if not self.dest.has_db(self.db):
-            self.dest.create_db(self.db, {BOOTSTRAP: marker} if self.table is None else None)
+            self._create_db()
             return
         if self.table is None:
             props = self.dest.db_properties(self.db)
@@ -293,11 +320,19 @@ class Loader:
         else:
             raise ReplError("unknown event type in the dump", f"event {e.id}: {kind}")
 
+    def _marks(self) -> dict[str, str]:
+        """What the load marks the target it creates with, in the statement creating it: the
+        source it replicates, and for a bootstrap which one. A rerun after a crash goes on in
+        a target so marked (a bootstrap's database even when its own events dropped and
+        re-created it); one without them is someone else's."""
+        h = self.dump.header
+        marks = {SOURCE: h.source} if h.source else {}
+        if h.kind == "bootstrap":
+            marks[BOOTSTRAP] = self._marker()
+        return marks
+
     def _create_db(self) -> None:
-        """A bootstrap's database, even one its own events dropped and re-created, keeps
-        its marker: a rerun after a crash may go on in it."""
-        db_boot = self.table is None and self.dump.header.kind == "bootstrap"
-        self.dest.create_db(self.db, {BOOTSTRAP: self._marker()} if db_boot else None)
+        self.dest.create_db(self.db, self._marks() if self.table is None else None)
 
     def _dst_table(self, e: DumpEvent) -> str:
         if self.table is not None:
@@ -334,9 +369,9 @@ class Loader:
                     f"{self.db}.{dst} (event {e.id}) does not exist and the dump has no "
                     "definition for it: load a bootstrap first (cmroot repl dump without --from)",
                 )
-            self.dest.create_table(obj, self.db, dst)
-            if self.table is not None and self.dump.header.kind == "bootstrap":
-                self.dest.set_table_properties(self.db, dst, {BOOTSTRAP: self._marker()})
+            self.dest.create_table(obj, self.db, dst,
+                                   self._marks() if self.table is not None else None)
+            faults.point("load.table_created")
         self._tables.add(dst)
         return dst
 
@@ -449,11 +484,7 @@ class Loader:
             dst = new_name
         if not self.dest.has_table(self.db, dst):
             return
-        keys = set(tabledef.partition_columns(new))
-        have = set(self.dest.columns(self.db, dst))
-        added = [(n, t) for n, t in tabledef.columns(new) if n.lower() not in have | keys]
-        if added:
-            self.dest.add_columns(self.db, dst, added)
+        self._columns(new, dst)
         want = tabledef.user_properties(new)
         cur = tabledef.user_properties({"parameters": self.dest.table_properties(self.db, dst)})
         changed = {k: v for k, v in want.items() if cur.get(k) != v}
@@ -462,6 +493,19 @@ class Loader:
         gone = [k for k in cur if k not in want]
         if gone:
             self.dest.unset_table_properties(self.db, dst, gone)
+
+    def _columns(self, new: dict[str, Any], dst: str) -> None:
+        """Give the replica the source's data columns: appended ones by ADD COLUMNS, any
+        other change (a column dropped, renamed, retyped, reordered) by replacing the data
+        schema, so the replica reads its files as the source does."""
+        keys = {k.lower() for k in tabledef.partition_columns(new)}
+        want = [(n, t) for n, t in tabledef.columns(new) if n.lower() not in keys]
+        have = self.dest.data_schema(self.db, dst)
+        if _same_columns(want[: len(have)], have):
+            if len(want) > len(have):
+                self.dest.add_columns(self.db, dst, want[len(have):])
+            return
+        self.dest.replace_data_schema(self.db, dst, want)
 
     def _across(self, e: DumpEvent, new: dict[str, Any], new_db: str, new_name: str) -> None:
         """A table renamed into another database: gone from the one it left; in the one it
@@ -515,14 +559,21 @@ class Loader:
         if copies:
             self._check_reachable(copies)
             done = self._copy(copies)
+            failed = [(c.fault, c.error or "") for c in done if c.fault is not None]
             lost = [c for c in done if c.source == "lost"]
-            if lost:
+            if failed or lost:
                 discard(done)
+            if failed:
+                from cmroot.repl.transfer import daemon_error
+
+                # The daemon could not be asked: that, not a lost file, stopped the batch.
+                raise daemon_error(*failed[0], self.daemon_url, self._scope())
+            if lost:
                 raise self._lost(lost, lost[0].error or "neither at its path nor in the cmroot")
             publish(done)
             _sync({os.path.dirname(c.dst) for c in copies})
             for c in done:
-                self.result.sources[c.source] = self.result.sources.get(c.source, 0) + 1
+                self.result.sources[c.kind] = self.result.sources.get(c.kind, 0) + 1
             self.result.files += len(done)
             self.result.bytes += sum(c.size for c in done)
         for dst_table, specs in partitions.items():
@@ -544,12 +595,15 @@ class Loader:
             return
         if self._client is None:
             raise self._lost(doubtful, "its original is gone and no daemon URL is known")
+        from cmroot.repl.transfer import resolve
+
         missing: list[Copy] = []
         for i in range(0, len(doubtful), _RESOLVE_BATCH):
             batch = doubtful[i : i + _RESOLVE_BATCH]
-            answer = self._client.resolve(
-                [{"path": c.src, "checksum": c.checksum} for c in batch]
-            ).files
+            answer = resolve(
+                self._client, [{"path": c.src, "checksum": c.checksum} for c in batch],
+                self._scope(),
+            )
             missing += [c for c, a in zip(batch, answer, strict=True) if a.status == "missing"]
         if missing:
             raise self._lost(missing)
@@ -605,6 +659,15 @@ class Loader:
             stop.set()
             t.join()
             self.report("files copied", files, files)
+
+
+def _same_columns(a: list[tuple[str, str]], b: list[tuple[str, str]]) -> bool:
+    """Do two column lists name the same columns with the same types (names compared as
+    the catalog does, without case; types as Spark writes them, quoting aside)?"""
+    def norm(cols: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        return [(n.lower(), t.replace("`", "").replace(" ", "").lower()) for n, t in cols]
+
+    return norm(a) == norm(b)
 
 
 def _balanced(copies: list[Copy], n: int) -> list[list[Copy]]:

@@ -466,8 +466,11 @@ def user_properties(table_obj: dict[str, Any]) -> dict[str, str]:
     }
 
 
-def create_sql(table_obj: dict[str, Any], db: str, table: str) -> str:
-    """`CREATE TABLE IF NOT EXISTS` for the definition, as a managed table `db`.`table`."""
+def create_sql(
+    table_obj: dict[str, Any], db: str, table: str, extra: dict[str, str] | None = None
+) -> str:
+    """`CREATE TABLE IF NOT EXISTS` for the definition, as a managed table `db`.`table`,
+    with the `extra` table properties (the replica's own) set by the same statement."""
     cols = columns(table_obj)
     if not cols:
         raise ReplError(
@@ -480,7 +483,7 @@ def create_sql(table_obj: dict[str, Any], db: str, table: str) -> str:
     if missing:
         raise _damaged(table_obj, f"its partition columns {missing} are not among its columns")
     prov = provider(table_obj)
-    props = user_properties(table_obj)
+    props = user_properties(table_obj) | (extra or {})
     sql = [f"CREATE TABLE IF NOT EXISTS {qualified(db, table)}"]
     if prov and prov.lower() != "hive":
         sql.append("(" + ", ".join(f"{quote(n)} {t}" for n, t in cols) + ")")

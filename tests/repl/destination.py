@@ -3,12 +3,16 @@ one Hive metastore, and the source's lives in the test process).
 
     python -m tests.repl.destination PLAN.json
 
-PLAN: {"base": DIR, "steps": [STEP, ...]}; a STEP may hold "load": {"dump": URL,
-"target": NAME|null}, "queries": {NAME: SQL}, "status": [SCOPE], "partitions": [TABLE],
-"files": [DB.TABLE]. Steps run in order in one Spark session; a failed load is reported
-and the later steps still run. The answer is one JSON line on stdout: a list with, per
-step, {"load": result | {"error", "detail", "kind"}, "rows": {NAME: rows},
-"status": {SCOPE: id|null}, "partitions": {TABLE: [...]}, "files": {TABLE: [paths]}}."""
+PLAN: {"base": DIR, "steps": [STEP, ...], "decoys": {PATH: SIZE}}; a STEP may hold
+"sql": [SQL] (run first), "load": {"dump": URL, "target": NAME|null, "daemon_url": URL,
+"token_file": PATH}, "queries": {NAME: SQL}, "status": [SCOPE], "partitions": [TABLE],
+"files": [DB.TABLE].
+"decoys" (optional) are files of SIZE zero bytes written at PATH before anything else: what
+another cluster may hold at the source's paths. Steps run in order in one Spark session;
+a failed load is reported and the later steps still run. The answer is one JSON line on
+stdout: a list with, per step, {"load": result | {"error", "detail", "kind"},
+"rows": {NAME: rows}, "status": {SCOPE: id|null}, "partitions": {TABLE: [...]},
+"files": {TABLE: [paths]}}."""
 
 from __future__ import annotations
 
@@ -27,14 +31,23 @@ def main(plan_path: str) -> int:
     from cmroot.repl.session import session
     from tests.spark.sparklib import spark_settings
 
+    for path, size in plan.get("decoys", {}).items():
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_bytes(bytes(size))
     spark = session("cmroot-test-destination", spark_settings(base, base / "warehouse"))
     spark.sparkContext.setLogLevel("ERROR")
     answers = []
     for step in plan["steps"]:
         out: dict[str, Any] = {"rows": {}, "status": {}, "partitions": {}, "files": {}}
+        for statement in step.get("sql", []):  # the destination's own statements
+            spark.sql(statement)
         if "load" in step:
             try:
-                out["load"] = load(spark, step["load"]["dump"], step["load"].get("target"))
+                how = step["load"]
+                token_file = how.get("token_file")
+                token = Path(token_file).read_text().strip() if token_file else None
+                out["load"] = load(spark, how["dump"], how.get("target"),
+                                   daemon_url=how.get("daemon_url"), token=token)
                 out["load"] = out["load"].to_json()
             except CmrootError as e:
                 out["load"] = {"error": e.message, "detail": e.detail, "kind": type(e).__name__}

@@ -1,0 +1,90 @@
+"""What a load may write into (issue 12, refusals that protect a replica): an incremental
+dump never lands on a database or table that is not its replica, a one-table dump never
+lands inside a database-level replica, and a one-table bootstrap killed right after it
+created its table reruns. Each refusal leaves the destination as it was."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from cmroot.repl import after
+from tests.repl.conftest import Destination, Source
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_targets_that_are_not_this_replica_are_refused(
+    source: Source, destination: Destination
+) -> None:
+    start = source.daemon.current()
+    source.sql("CREATE DATABASE sc")
+    source.sql("CREATE TABLE sc.t (a INT) USING parquet")
+    source.sql("INSERT INTO sc.t VALUES (1)")
+    inc, _ = source.dump("sc", from_id=start)  # creates the database: fine for a new target
+    boot_db, _ = source.dump("sc")
+    boot_t, hb = source.dump("sc.t")
+    mine = {"mine": "SELECT * FROM sc.mine", "t": "SELECT * FROM sc.t"}
+    foreign, whole, inside = destination.run(
+        {"sql": ["CREATE DATABASE sc", "CREATE TABLE sc.mine (a INT) USING parquet",
+                 "INSERT INTO sc.mine VALUES (42)"],
+         "load": {"dump": inc}, "queries": mine, "status": ["sc"]},
+        {"load": {"dump": boot_db, "target": "whole"}, "status": ["whole"]},
+        {"load": {"dump": boot_t, "target": "whole.t2"},
+         "queries": {"t2": "SELECT * FROM whole.t2"}, "status": ["whole"]},
+    )
+    assert foreign["load"]["kind"] == "ReplError", foreign["load"]
+    assert "not a replica" in foreign["load"]["error"]
+    assert foreign["rows"]["mine"] == [[42]] and "error" in foreign["rows"]["t"]
+    assert foreign["status"]["sc"] is None
+    assert "error" not in whole["load"], whole["load"]
+    assert inside["load"]["kind"] == "ReplError", inside["load"]
+    assert "whole database" in inside["load"]["error"]
+    assert "error" in inside["rows"]["t2"] and inside["status"]["whole"] == whole["status"][
+        "whole"]
+
+    # A one-table bootstrap killed just after it created its table: the rerun goes on.
+    destination.run({"load": {"dump": boot_t, "target": "one.t"}},
+                    faults="load.table_created@1")
+    (rerun,) = destination.run({"load": {"dump": boot_t, "target": "one.t"},
+                                "queries": {"t": "SELECT * FROM one.t"}, "status": ["one.t"]})
+    assert "error" not in rerun["load"], rerun["load"]
+    assert rerun["rows"]["t"] == [[1]] and rerun["status"]["one.t"] == hb.last_event_id
+
+
+def test_a_table_level_replica_follows_its_table_across_renames_between_dumps(
+    source: Source, destination: Destination
+) -> None:
+    """`cmroot repl dump --after PREVIOUS` continues a one-table replication under the name
+    the table has now; a new table taking the old name is not followed."""
+    source.sql("CREATE DATABASE tl")
+    source.sql("CREATE TABLE tl.t (a INT) USING parquet")
+    source.sql("INSERT INTO tl.t VALUES (1)")
+    boot, _ = source.dump("tl.t")
+    source.sql("ALTER TABLE tl.t RENAME TO t2")
+    source.sql("INSERT INTO tl.t2 VALUES (2)")
+    inc1, h1 = after(source.daemon.client, boot, str(source.base / "dumps"))
+    assert (h1.db, h1.table, h1.table_now) == ("tl", "t", "tl.t2")
+    source.sql("CREATE TABLE tl.t (a INT) USING parquet")  # another table, the old name
+    source.sql("INSERT INTO tl.t VALUES (99)")
+    source.sql("INSERT INTO tl.t2 VALUES (3)")
+    inc2, h2 = after(source.daemon.client, inc1, str(source.base / "dumps"))
+    assert h2.table_now == "tl.t2" and h2.first_event_id == h1.last_event_id
+    q = {"t": "SELECT * FROM rep.t"}
+    got = destination.run(
+        {"load": {"dump": boot, "target": "rep.t"}, "queries": q},
+        {"load": {"dump": inc1, "target": "rep.t"}, "queries": q},
+        {"load": {"dump": inc2, "target": "rep.t"}, "queries": q, "status": ["rep.t"]},
+    )
+    assert [step["rows"]["t"] for step in got] == [[[1]], [[1], [2]], [[1], [2], [3]]]
+    assert got[2]["status"]["rep.t"] == h2.last_event_id
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "cmroot.cli", "repl", "dump", "--after", inc1, "--from", "3",
+         "--to-dir", str(source.base / "dumps"), "--url", source.daemon.url],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "--after takes its scope" in bad.stderr
