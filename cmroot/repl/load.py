@@ -53,7 +53,8 @@ class LoadResult:
     last_event_id: int | None = None
     files: int = 0
     bytes: int = 0
-    sources: dict[str, int] = field(default_factory=dict)  # original / cmroot / present
+    # Files by where they came from: original, cmroot, present; *_http: over the daemon.
+    sources: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
