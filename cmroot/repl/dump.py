@@ -171,6 +171,13 @@ def table_obj(spark: Any, db: str, table: str) -> dict[str, Any]:
     return dict(json.loads(text))
 
 
+def _recorded(spark: Any, location: str) -> bool:
+    """Does the hook record the events of a table at `location`?"""
+    jvm = spark.sparkContext._jvm
+    hconf = spark.sparkContext._jsc.hadoopConfiguration()
+    return bool(jvm.io.cmroot.spark.Cmroot.recordsAt(location, hconf))
+
+
 def _partitions(spark: Any, db: str, table: str) -> list[dict[str, str]]:
     from urllib.parse import unquote
 
@@ -292,6 +299,15 @@ def _take(
             raise ReplError(
                 "table location not on the local filesystem",
                 f"{db}.{name} at {loc}: only local warehouses are replicated by this version",
+            )
+        if not _recorded(spark, loc):
+            raise ReplError(
+                "table outside the warehouse roots",
+                f"{db}.{name} is at {loc}, where the cmroot hook records nothing: its replica"
+                " would never change again. Move it under a root (ALTER TABLE ... SET"
+                " LOCATION), add its directory to the roots (spark.cmroot.warehouseRoots and"
+                " the daemon's store.warehouse_roots), or replicate the other tables one by"
+                " one",
             )
         got[name] = _Taken(obj, specs)
         for spec in specs:

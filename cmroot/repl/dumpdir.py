@@ -330,20 +330,27 @@ def in_scope(
     brings the table (its event lists the files)."""
     db_now, current = db.lower(), table.lower() if table else None
     for e in events:
-        e_db = (e.get("db") or "").lower()
-        obj = e.get("tableObj") or {}
-        renamed = e["eventType"] == "ALTER_TABLE" and obj.get("table")
+        e_db = _name(e.get("db"))
+        obj = e.get("tableObj")
+        obj = obj if isinstance(obj, dict) else {}  # omitted or foreign: no rename known
+        renamed = e.get("eventType") == "ALTER_TABLE" and _name(obj.get("table"))
         if current is None:
-            entering = renamed and str(obj.get("db") or "").lower() == db_now
+            entering = renamed and _name(obj.get("db")) == db_now
             yield e, e_db == db_now or bool(entering)
         elif e_db != db_now:
             yield e, False
-        elif e["eventType"] in ("CREATE_DATABASE", "DROP_DATABASE"):
+        elif e.get("eventType") in ("CREATE_DATABASE", "DROP_DATABASE"):
             yield e, True
-        elif (e.get("table") or "").lower() == current:
+        elif _name(e.get("table")) == current:
             if renamed:
-                current = str(obj["table"]).lower()
-                db_now = str(obj.get("db") or e_db).lower()
+                current = _name(obj["table"])
+                db_now = _name(obj.get("db")) or e_db
             yield e, True
         else:
             yield e, False
+
+
+def _name(value: Any) -> str:
+    """A database or table name of an event, lower case; "" when it is none (or not a
+    string: an event of another producer is out of scope, not a crash)."""
+    return value.lower() if isinstance(value, str) else ""

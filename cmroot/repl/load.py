@@ -32,7 +32,16 @@ from cmroot.exceptions import FileLost, ReplError
 from cmroot.repl import dumpdir, tabledef
 from cmroot.repl.catalog import BOOTSTRAP, LAST_ID, SOURCE, Destination
 from cmroot.repl.dumpdir import Dump, DumpEvent
-from cmroot.repl.transfer import TEMP_PREFIX, Copied, Copy, copy_all, discard, publish
+from cmroot.repl.transfer import (
+    TEMP_PREFIX,
+    Copied,
+    Copy,
+    copy_all,
+    daemon_error,
+    discard,
+    publish,
+    resolve,
+)
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +144,9 @@ class Loader:
         self._partitions: dict[str, list[dict[str, str]]] = {}
         self._client: Client | None = Client(self.daemon_url, token) if self.daemon_url else None
         for name, meta in dump.tables.items():
-            if meta.get("tableObj"):
-                self._defs[name.partition(".")[2]] = meta["tableObj"]
+            db_name, _, table_name = name.partition(".")
+            if meta.get("tableObj") and db_name == h.db.lower():  # not another database's
+                self._defs[table_name] = meta["tableObj"]
 
     # -- the run --------------------------------------------------------------------------
     def run(self) -> LoadResult:
@@ -288,7 +298,11 @@ class Loader:
     def _apply(self, e: DumpEvent) -> None:
         kind = e.type
         if e.table_obj is not None and e.table:
-            self._defs[e.table.lower()] = e.table_obj
+            # Filed under the name it defines, within the event's database: a rename's
+            # definition is its new name's (one into another database is that one's).
+            obj_db = str(e.table_obj.get("db") or e.db or "").lower()
+            if obj_db == (e.db or "").lower():
+                self._defs[str(e.table_obj.get("table") or e.table).lower()] = e.table_obj
         if kind == "CREATE_DATABASE":
             if self.table is None:
                 self._create_db()
@@ -527,6 +541,15 @@ class Loader:
         """A table given a new location at the source (the recorded ALTER_LOCATION, with its
         new definition): the replica keeps its own location and takes what the new one holds
         (`e.files`, paths under `e.location`) in place of what it held."""
+        if e.location is None and not e.partitions:
+            # The hook names the new location only when it records what happens there.
+            raise ReplError(
+                "table moved outside the warehouse roots",
+                f"event {e.id}: {e.db}.{e.table} now lives at"
+                f" {tabledef.location(e.table_obj or {})}, where the source's hook records"
+                " nothing, so its replica could not follow it: move it back under a root at"
+                " the source, or replicate it another way (nothing of this event was applied)",
+            )
         self._alter(e)
         if e.partitions:
             raise ReplError(
@@ -560,15 +583,24 @@ class Loader:
         if copies:
             self._check_reachable(copies)
             done = self._copy(copies)
-            failed = [(c.fault, c.error or "") for c in done if c.fault is not None]
+            unasked = [(c.fault, c.error or "") for c in done if c.fault is not None]
+            failed = [c for c in done if c.source == "failed"]
             lost = [c for c in done if c.source == "lost"]
             if failed or lost:
                 discard(done)
-            if failed:
-                from cmroot.repl.transfer import daemon_error
-
+            if unasked:
                 # The daemon could not be asked: that, not a lost file, stopped the batch.
-                raise daemon_error(*failed[0], self.daemon_url, self._scope())
+                raise daemon_error(*unasked[0], self.daemon_url, self._scope())
+            if failed:
+                c = failed[0]
+                event_id, src, _ = self._origin.get(c.dst, (0, c.dst, "?"))
+                more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+                raise ReplError(
+                    f"cannot copy {src}",
+                    f"{c.error}{more}. Nothing of event {event_id} was placed in"
+                    f" {self._scope()} and its status was not advanced: mend that (space,"
+                    " permissions, the daemon) and run the load again",
+                )
             if lost:
                 raise self._lost(lost, lost[0].error or "neither at its path nor in the cmroot")
             publish(done)
@@ -596,8 +628,6 @@ class Loader:
             return
         if self._client is None:
             raise self._lost(doubtful, "its original is gone and no daemon URL is known")
-        from cmroot.repl.transfer import resolve
-
         missing: list[Copy] = []
         for i in range(0, len(doubtful), _RESOLVE_BATCH):
             batch = doubtful[i : i + _RESOLVE_BATCH]

@@ -22,18 +22,26 @@ import http.client
 import os
 import queue
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import IO, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import fsspec
 import xxhash
 
 from cmroot import checksum as cks
 from cmroot.client import Client, Resolved
-from cmroot.exceptions import CmrootError, DaemonUnavailable, Forbidden, Unauthorized
+from cmroot.exceptions import (
+    ChecksumMismatch,
+    CmrootError,
+    DaemonUnavailable,
+    Forbidden,
+    NotFound,
+    Unauthorized,
+)
 
 TEMP_PREFIX = ".cmroot-load-"
 _CHUNK = 1 << 20
@@ -43,6 +51,11 @@ STREAMS = 4
 FAULTS: tuple[type[CmrootError], ...] = (DaemonUnavailable, Unauthorized, Forbidden)
 # Where a local read can fail without anything being wrong here: not this file, then.
 _UNREADABLE = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+# What the daemon answers when it has no such copy (any other answer is the daemon's fault).
+_UNAVAILABLE = (NotFound, ChecksumMismatch)
+# Seconds without a byte from the daemon before a stream gives up one try (each try is
+# waited out with the backoff: a silent daemon holds a stream for minutes, not hours).
+_TIMEOUT = 30.0
 
 T = TypeVar("T")
 
@@ -145,20 +158,24 @@ def resolve(
         raise daemon_error(fault_name(e), str(e), client.url, scope) from e
 
 
-def temp_path(dst: str, checksum: str) -> str:
-    """A hidden name beside `dst` (Spark and Hive skip names starting with '.'), the same
-    on every attempt, so a rerun overwrites what a killed run left."""
-    tag = xxhash.xxh3_64_hexdigest((os.path.basename(dst) + checksum).encode())
-    return os.path.join(os.path.dirname(dst), TEMP_PREFIX + tag)
+def temp_path(dst: str) -> str:
+    """A hidden name beside `dst` (Spark and Hive skip names starting with '.'), new for
+    every attempt: two attempts of one Spark task (speculation, a task given up on) never
+    write one file. What a killed run left is swept by the next load."""
+    return os.path.join(os.path.dirname(dst), TEMP_PREFIX + uuid.uuid4().hex)
 
 
-def _copy_hashed(src: IO[bytes], temp: str) -> tuple[str, int]:
+class _Body(Protocol):
+    def readinto(self, b: Any, /) -> int: ...
+
+
+def _copy_hashed(src: _Body, temp: str) -> tuple[str, int]:
     h = xxhash.xxh3_128()
     n = 0
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
     with open(temp, "wb") as out:
-        while k := src.readinto(buf):  # type: ignore[attr-defined]
+        while k := src.readinto(buf):
             h.update(view[:k])
             out.write(view[:k])
             n += k
@@ -176,9 +193,9 @@ def _try(
     except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
-        if isinstance(e, FAULTS) or not isinstance(e, (*_UNREADABLE, CmrootError)):
-            raise
-        return None
+        if isinstance(e, (*_UNREADABLE, *_UNAVAILABLE)) and not isinstance(e, FAULTS):
+            return None  # this copy cannot be had: the next place may have one
+        raise
     if digest == checksum:
         return n
     os.unlink(temp)
@@ -191,32 +208,53 @@ def _open_original(path: str) -> Callable[[], AbstractContextManager[Any]]:
     return functools.partial(fsspec.open, path, "rb")
 
 
+class _Counted:
+    """A response body that counts the bytes read from it."""
+
+    def __init__(self, body: Any) -> None:
+        self.body = body
+        self.count = 0
+
+    def readinto(self, b: Any) -> int:
+        n = int(self.body.readinto(b))
+        self.count += n
+        return n
+
+
 @contextlib.contextmanager
-def _served(client: Client, path: str, checksum: str) -> Iterator[IO[bytes]]:
-    """The bytes of (`path`, `checksum`) from GET /v1/files. A connection that breaks
-    mid-file is the daemon being unavailable (waited out), not a bad copy."""
+def _served(client: Client, path: str, checksum: str, size: int) -> Iterator[_Counted]:
+    """The `size` bytes of (`path`, `checksum`) from GET /v1/files. A connection that
+    breaks mid-file is the daemon being unavailable (waited out), not a bad copy."""
     with client.open(path, checksum) as resp:
+        body = _Counted(resp)
         try:
-            yield resp
+            yield body
         except (http.client.HTTPException, ConnectionError, TimeoutError) as e:
             raise DaemonUnavailable(
                 "connection to the cmroot daemon lost mid-file",
                 f"GET {client.url}/v1/files {path}: {e!r}",
             ) from e
+        if body.count < size:  # http.client ends a body cut short quietly
+            raise DaemonUnavailable(
+                "connection to the cmroot daemon lost mid-file",
+                f"GET {client.url}/v1/files {path}: {body.count} of {size} bytes came",
+            )
 
 
 def _make_dirs(d: str) -> tuple[str, ...]:
     """Create `d` and its missing parents; return the ones created, deepest first."""
-    made = []
+    missing = []
     while not os.path.isdir(d):
-        made.append(d)
+        missing.append(d)
         d = os.path.dirname(d)
-    for m in reversed(made):
+    made = []
+    for m in reversed(missing):
         try:
             os.mkdir(m)
         except FileExistsError:
-            pass
-    return tuple(made)
+            continue  # someone else's: never ours to remove
+        made.append(m)
+    return tuple(reversed(made))
 
 
 class _Daemon:
@@ -257,7 +295,7 @@ def copy_all(
     daemon = _Daemon(backoff)
 
     def stream() -> None:
-        client = Client(daemon_url, token) if daemon_url else None
+        client = Client(daemon_url, token, timeout=_TIMEOUT) if daemon_url else None
         try:
             while True:
                 try:
@@ -273,19 +311,34 @@ def copy_all(
     with ThreadPoolExecutor(n, thread_name_prefix="cmroot-copy") as pool:
         for f in [pool.submit(stream) for _ in range(n)]:
             f.result()
-    for i in range(len(todo)):
-        yield done[i]
+    given = 0
+    try:
+        for given in range(len(todo)):
+            yield done[given]
+    except GeneratorExit:  # closed early: what was never handed over is never published
+        discard(done[i] for i in range(given + 1, len(todo)))
+        raise
 
 
 def _one(row: Copy, client: Client | None, daemon: _Daemon) -> Copied:
+    """One row's copy. Whatever fails here is reported in the row (the driver discards the
+    batch and says why), never raised: a stream that died would leave its temporaries and
+    directories unknown to the driver."""
+    made: tuple[str, ...] = ()
+    try:
+        return _copy_one(row, client, daemon, made := _make_dirs(os.path.dirname(row.dst)))
+    except Exception as e:
+        return Copied(row.dst, None, "failed", 0, f"{type(e).__name__}: {e}", made)
+
+
+def _copy_one(row: Copy, client: Client | None, daemon: _Daemon, made: tuple[str, ...]) -> Copied:
     try:
         st = os.stat(row.dst)
         if st.st_size == row.size and cks.of_local_file(row.dst) == row.checksum:
             return Copied(row.dst, None, "present", row.size)
     except FileNotFoundError:
         pass
-    made = _make_dirs(os.path.dirname(row.dst))
-    temp = temp_path(row.dst, row.checksum)
+    temp = temp_path(row.dst)
     n = _try(_open_original(row.src), temp, row.checksum)
     if n is not None:
         return Copied(row.dst, temp, "original", n, made_dirs=made)
@@ -306,8 +359,9 @@ def _from_daemon(
         answer = daemon.call(functools.partial(client.resolve, pair)).files[0]
     except FAULTS:
         raise
-    except CmrootError as e:
-        return Copied(row.dst, None, "lost", 0, f"the daemon could not resolve it: {e}", made)
+    except CmrootError as e:  # the daemon refused the question: not a file it lost
+        return Copied(row.dst, None, "failed", 0,
+                      f"the daemon at {client.url} could not resolve it: {e}: {e.detail}", made)
     if answer.status == "missing":
         return Copied(row.dst, None, "lost", 0, "neither at its path nor in the cmroot", made)
     source = "cmroot" if answer.status == "cmroot" else "original"
@@ -319,7 +373,7 @@ def _from_daemon(
         if n is not None:
             return Copied(row.dst, temp, source, n, made_dirs=made)
     served = location if moved and location else row.src
-    fetch = functools.partial(_served, client, served, row.checksum)
+    fetch = functools.partial(_served, client, served, row.checksum, row.size)
     n = daemon.call(functools.partial(_try, fetch, temp, row.checksum))
     if n is None:
         return Copied(row.dst, None, "lost", 0, "no copy hashed to its checksum", made)

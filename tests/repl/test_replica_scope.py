@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from cmroot.exceptions import ReplError
 from cmroot.repl import after
 from tests.repl.conftest import Destination, Source
 
@@ -88,3 +89,33 @@ def test_a_table_level_replica_follows_its_table_across_renames_between_dumps(
     )
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert "--after takes its scope" in bad.stderr
+
+
+def test_a_table_outside_the_roots_is_refused_never_frozen(
+    source: Source, destination: Destination
+) -> None:
+    """A table the hook records nothing for (its location outside the warehouse roots)
+    would stand still on a replica: a bootstrap refuses it, naming it and the fix, and a
+    load refuses the event that moved a replicated table there, changing nothing."""
+    start = source.daemon.current()
+    source.sql("CREATE DATABASE ol")
+    source.sql("CREATE TABLE ol.t (a INT) USING parquet")
+    source.sql("INSERT INTO ol.t VALUES (1)")
+    inc1, _ = source.dump("ol", from_id=start)
+    outside = source.base / "outside-the-roots" / "t"
+    source.spark.range(2).selectExpr("CAST(id + 7 AS INT) AS a").write.parquet(str(outside))
+    source.sql(f"ALTER TABLE ol.t SET LOCATION '{outside}'")
+    inc2, _ = source.dump("ol", from_id=start)
+    with pytest.raises(ReplError) as e:
+        source.dump("ol")
+    assert "outside the warehouse roots" in e.value.message
+    assert "ol.t" in e.value.detail and str(outside) in e.value.detail
+    q = {"t": "SELECT * FROM ol.t"}
+    first, moved = destination.run(
+        {"load": {"dump": inc1}, "queries": q, "status": ["ol"]},
+        {"load": {"dump": inc2}, "queries": q, "status": ["ol"]},
+    )
+    assert first["rows"]["t"] == [[1]]
+    assert moved["load"]["kind"] == "ReplError", moved["load"]
+    assert "outside the warehouse roots" in moved["load"]["error"]
+    assert moved["rows"]["t"] == [[1]] and moved["status"] == first["status"]

@@ -142,8 +142,12 @@ def hooked_lake(
     try:
         yield cls(base, daemon, spark)
     finally:
-        spark.stop()
-        release_filesystems()
+        # A later lake in this process (one JVM, one SparkContext) may have stopped this
+        # one's session already (tests/repl/test_two_clusters.py, after the package's
+        # shared source): then there is nothing left to stop.
+        with contextlib.suppress(Exception):
+            spark.stop()
+            release_filesystems()
         daemon.stop()
 
 

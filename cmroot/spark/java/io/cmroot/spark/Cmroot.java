@@ -1016,6 +1016,15 @@ public final class Cmroot {
     return JSON.writeValueAsString(tableMap(thriftTable(table)));
   }
 
+  /**
+   * Does this application's hook record the events of a table or partition at `location`
+   * (under a warehouse root, the hook enabled)? Through py4j by `cmroot repl dump`: a table
+   * it does not record would stand still on a replica.
+   */
+  public static boolean recordsAt(String location, Configuration hconf) {
+    return protectedLocation(localPath(location), settings(hconf));
+  }
+
   static org.apache.hadoop.hive.metastore.api.Table thriftTable(Object table) {
     if (table instanceof org.apache.hadoop.hive.metastore.api.Table) {
       return (org.apache.hadoop.hive.metastore.api.Table) table;
