@@ -40,45 +40,51 @@ def _dump_with(
     return url, header, queries, {t: source.rows(q) for t, q in queries.items()}
 
 
-@pytest.mark.parametrize("point", POINTS)
 def test_renames_and_swaps_during_a_bootstrap(
-    source: Source, destination: Destination, monkeypatch: pytest.MonkeyPatch, point: str
+    source: Source, destination: Destination, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A rename, a partitioned table's rename, a table dropped and re-created under its
-    name, and the ETL table swap, all while the snapshot is taken: the replica has every
-    table under its new name with its rows, none empty, none left under an old name."""
-    db = f"cons_{point.split('.')[1]}"
-    source.sql(f"CREATE DATABASE {db}")
-    source.sql(f"CREATE TABLE {db}.a (x INT) USING parquet")
-    source.sql(f"INSERT INTO {db}.a VALUES (1), (2)")
-    source.sql(f"CREATE TABLE {db}.p (x INT, k INT) USING parquet PARTITIONED BY (k)")
-    source.sql(f"INSERT INTO {db}.p VALUES (1, 1), (2, 2)")
-    source.sql(f"CREATE TABLE {db}.r (x INT) USING parquet")
-    source.sql(f"INSERT INTO {db}.r VALUES (5)")
-    source.sql(f"CREATE TABLE {db}.s (x INT) USING parquet")
-    source.sql(f"INSERT INTO {db}.s VALUES (7), (8)")
-    source.sql(f"CREATE TABLE {db}.keep (x INT) USING parquet")
-    source.sql(f"INSERT INTO {db}.keep VALUES (3)")
+    """At each point of the snapshot (one database each): a rename, a partitioned table's
+    rename, a table dropped and re-created under its name, and the ETL table swap. The
+    replica has every table under its new name with its rows, none empty, none left under
+    an old name."""
+    steps, wanted = [], []
+    for point in POINTS:
+        db = f"cons_{point.split('.')[1]}"
+        source.sql(f"CREATE DATABASE {db}")
+        source.sql(f"CREATE TABLE {db}.a (x INT) USING parquet")
+        source.sql(f"INSERT INTO {db}.a VALUES (1), (2)")
+        source.sql(f"CREATE TABLE {db}.p (x INT, k INT) USING parquet PARTITIONED BY (k)")
+        source.sql(f"INSERT INTO {db}.p VALUES (1, 1), (2, 2)")
+        source.sql(f"CREATE TABLE {db}.r (x INT) USING parquet")
+        source.sql(f"INSERT INTO {db}.r VALUES (5)")
+        source.sql(f"CREATE TABLE {db}.s (x INT) USING parquet")
+        source.sql(f"INSERT INTO {db}.s VALUES (7), (8)")
+        source.sql(f"CREATE TABLE {db}.keep (x INT) USING parquet")
+        source.sql(f"INSERT INTO {db}.keep VALUES (3)")
 
-    def during() -> None:
-        source.sql(f"ALTER TABLE {db}.a RENAME TO a2")
-        source.sql(f"ALTER TABLE {db}.p RENAME TO p2")
-        source.sql(f"DROP TABLE {db}.r")
-        source.sql(f"CREATE TABLE {db}.r (y STRING) USING parquet")
-        source.sql(f"INSERT INTO {db}.r VALUES ('new')")
-        source.sql(f"CREATE TABLE {db}.s_new USING parquet AS SELECT x + 10 AS x FROM {db}.s")
-        source.sql(f"DROP TABLE {db}.s")
-        source.sql(f"ALTER TABLE {db}.s_new RENAME TO s")
+        def during(db: str = db) -> None:
+            source.sql(f"ALTER TABLE {db}.a RENAME TO a2")
+            source.sql(f"ALTER TABLE {db}.p RENAME TO p2")
+            source.sql(f"DROP TABLE {db}.r")
+            source.sql(f"CREATE TABLE {db}.r (y STRING) USING parquet")
+            source.sql(f"INSERT INTO {db}.r VALUES ('new')")
+            source.sql(f"CREATE TABLE {db}.s_new USING parquet AS SELECT x + 10 AS x"
+                       f" FROM {db}.s")
+            source.sql(f"DROP TABLE {db}.s")
+            source.sql(f"ALTER TABLE {db}.s_new RENAME TO s")
 
-    url, header, queries, want = _dump_with(source, monkeypatch, db, point, during)
-    assert sorted(queries) == ["a2", "keep", "p2", "r", "s"]
-    (got,) = destination.run({"load": {"dump": url}, "queries": queries, "status": [db],
-                              "partitions": [f"{db}.p2"]})
-    assert "error" not in got["load"], got["load"]
-    assert got["rows"] == want
-    assert want["a2"] == [[1], [2]] and want["s"] == [[17], [18]] and want["r"] == [["new"]]
-    assert got["partitions"][f"{db}.p2"] == ["k=1", "k=2"]
-    assert got["status"][db] == header.last_event_id
+        url, header, queries, want = _dump_with(source, monkeypatch, db, point, during)
+        assert sorted(queries) == ["a2", "keep", "p2", "r", "s"], point
+        assert want["a2"] == [[1], [2]] and want["s"] == [[17], [18]]
+        assert want["r"] == [["new"]]
+        steps.append({"load": {"dump": url}, "queries": queries, "status": [db],
+                      "partitions": [f"{db}.p2"]})
+        wanted.append((point, db, header.last_event_id, want))
+    for got, (point, db, last, want) in zip(destination.run(*steps), wanted, strict=True):
+        assert "error" not in got["load"], (point, got["load"])
+        assert got["rows"] == want, point
+        assert got["partitions"][f"{db}.p2"] == ["k=1", "k=2"], point
+        assert got["status"][db] == last, point
 
 
 def test_a_database_dropped_and_re_created_during_a_bootstrap(
