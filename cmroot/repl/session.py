@@ -5,6 +5,8 @@ otherwise. Under spark-submit the session already exists and is reused."""
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from typing import Any
 
 from cmroot.exceptions import BadRequest, ConfigError
@@ -37,6 +39,12 @@ def session(app: str, conf: dict[str, str], hook: tuple[str, str | None] | None 
             "pyspark is not installed", "pip install 'cmroot[spark]' (PySpark 4 or later)"
         ) from e
     logging.getLogger("py4j").setLevel(logging.WARNING)  # one INFO line per py4j call
+    # Spark's Python workers run `python3` from PATH unless told: not this interpreter when
+    # cmroot was started by absolute path from a virtualenv (cron, systemd), and then they
+    # cannot import cmroot. The driver reads only the environment variable, so a
+    # `--with spark.pyspark.python=...` is passed on through it too.
+    python = conf.get("spark.pyspark.python") or os.environ.get("PYSPARK_PYTHON")
+    os.environ["PYSPARK_PYTHON"] = python or sys.executable
     builder = SparkSession.builder.appName(app)
     for k, v in conf.items():
         builder = builder.config(k, v)

@@ -92,10 +92,17 @@ class Destination:
         return out
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        """`cmroot repl ...` against this destination."""
+        """`cmroot repl ...` against this destination, as cron or systemd runs it: the
+        virtualenv's `cmroot` by absolute path, the virtualenv not on PATH (Spark's Python
+        workers must still import cmroot)."""
+        venv_bin = os.path.dirname(sys.executable)
+        path = [d for d in os.environ.get("PATH", "").split(os.pathsep)
+                if d and os.path.realpath(d) != os.path.realpath(venv_bin)]
+        env = {k: v for k, v in self.env().items() if k != "PYSPARK_PYTHON"}
         res = subprocess.run(
-            [sys.executable, "-m", "cmroot.cli", "repl", *args, *self.with_args()],
-            capture_output=True, text=True, env=self.env(), cwd=self.base, timeout=600,
+            [os.path.join(venv_bin, "cmroot"), "repl", *args, *self.with_args()],
+            capture_output=True, text=True, env=env | {"PATH": os.pathsep.join(path)},
+            cwd=self.base, timeout=600,
         )
         if check:
             assert res.returncode == 0, res.stderr[-5000:]
