@@ -64,15 +64,17 @@ def dump(
             raise ReplError("a bootstrap dump needs Spark", "pip install 'cmroot[spark]'")
         kind = "bootstrap"
         start = client.current_event()
-        events = list(_snapshot(spark, client, src_db, src_table, start, report))
+        events, read_after = _snapshot(spark, client, src_db, src_table, start, report)
         tail, last = _events(client, src_db, src_table, start, None, None, report)
         events += tail
         first = start
     else:
         kind = "incremental"
         events, last = _events(client, src_db, src_table, from_id, to_id, limit, report)
-        first = from_id
+        first, read_after = from_id, {}
     tables = _table_metadata(events)
+    for (tdb, name), after in read_after.items():
+        tables[f"{tdb}.{name}"]["read_after"] = after
     header = Header(kind, db, table, first, last, time.time(), client.url,
                     source=client.log_id(),
                     table_now=_name_at_end(src_db, src_table, events))
@@ -202,6 +204,9 @@ class _Taken:
     files: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
+Name = tuple[str, str]  # (database, table), lower case
+
+
 def _snapshot(
     spark: Any,
     client: Client,
@@ -209,40 +214,52 @@ def _snapshot(
     table: str | None,
     start: int,
     report: Callable[[str, int, int | None], None],
-) -> Iterator[DumpEvent]:
+) -> tuple[list[DumpEvent], dict[Name, int]]:
     """The scope's tables as snapshot events at `start`, consolidated with what ran while
-    they were read (the Hive v2 design's consolidation at the source).
+    they were read (the Hive v2 design's consolidation at the source), and for each table
+    the event id its read began after.
 
     The load replays every event after `start` on top of the snapshot, and each replayed
     event sets what it touches, so a table read at any moment after `start` ends right,
-    with one exception: a rename carries the table's state along. A table renamed while it
-    was read may have been read half before and half after (its definition at the old
-    place, no files), or not at all (gone when its definition was asked). Such a table is
-    read again under its new name after the rename, until a round reads no table that a
-    rename touched meanwhile; a snapshot newer than a rename wins over it at the load.
-    A table that vanished unexplained (its event not yet in the log) is waited for."""
-    pending = [table] if table else sorted(
-        t.name.lower() for t in spark.catalog.listTables(db)
+    with one exception: a rename carries the table's state along. A table a rename touched
+    while it was read may have been read half before and half after (its definition at
+    the old place, no files), or not at all (gone when its definition was asked). Such a
+    table is read again, in rounds, under the names the renames left, until a round reads
+    no table that a rename touched meanwhile. A table read in a later round holds every
+    event on its name up to where that round began: the load skips those (a replayed
+    rename or drop would undo the newer read). A table that vanished unexplained (its
+    event not yet in the log) is waited for."""
+    if not spark.catalog.databaseExists(db):
+        raise ReplError("no such database", f"{db}: check the name (cmroot repl dump DB)")
+    pending: list[Name] = [(db, table)] if table else sorted(
+        (db, t.name.lower()) for t in spark.catalog.listTables(db)
         if not t.isTemporary and t.tableType != "VIEW"
     )
     faults.point("dump.tables_listed")
-    taken: dict[str, _Taken] = {}
+    taken: dict[Name, tuple[_Taken, int]] = {}
     since = start
-    explained: set[str] = set()
-    for _ in range(_ROUNDS):
-        got, unstable = _take(spark, db, pending, report)
+    explained: set[Name] = set()
+    for first in (i == 0 for i in range(_ROUNDS)):
+        got, unstable = _take(spark, pending, report)
         upto = client.current_event()
-        moved, gone = _moves(_scan(client, since, upto), db)
-        if table is not None:  # one table: only its own renames matter
-            chain = _follow(table, _scan(client, start, upto))
+        moved, gone = _moves(_scan(client, since, upto))
+        if table is None:  # the database: renames of its tables (either end)
+            moved = {n for n in moved if n[0] == db}
+        else:  # one table: only its own renames, into other databases too
+            chain = _follow((db, table), _scan(client, start, upto))
             moved &= set(chain)
         explained |= gone | moved
-        for name in moved | unstable:
-            taken.pop(name, None)
-        taken.update((n, t) for n, t in got.items() if n not in moved | unstable)
-        waiting = set() if _ALL in explained else (
-            {n for n in pending if n not in got or n in unstable} - explained
-        )
+        for n in moved | unstable:
+            taken.pop(n, None)
+        taken.update((n, (t, since)) for n, t in got.items() if n not in moved | unstable)
+        missing = {n for n in pending if n not in got or n in unstable}
+        waiting = {n for n in missing if n not in explained and (n[0], _ALL) not in explained}
+        if first and table is not None and (db, table) in waiting:
+            raise ReplError(
+                "no such table",
+                f"{db}.{table} does not exist (and the log holds no rename or drop of it):"
+                " check the name (cmroot repl dump DB.TABLE)",
+            )
         pending = sorted(moved | unstable | waiting)
         if table is not None and pending:
             pending = [chain[-1]]  # read it under the name it has now
@@ -254,39 +271,39 @@ def _snapshot(
     else:
         raise ReplError(
             "tables kept moving while the bootstrap read them",
-            f"{', '.join(f'{db}.{n}' for n in pending)} were renamed, dropped or moved in each"
-            f" of {_ROUNDS} rounds: dump again when they settle",
+            f"{', '.join('.'.join(n) for n in pending)} were renamed, dropped or moved in"
+            f" each of {_ROUNDS} rounds: dump again when they settle",
         )
-    seq = 0
+    events: list[DumpEvent] = []
     if table is None:
-        yield DumpEvent(start, seq, "CREATE_DATABASE", db, None)
-        seq += 1
-    for name in sorted(taken):
-        t = taken[name]
+        events.append(DumpEvent(start, 0, "CREATE_DATABASE", db, None))
+    for (tdb, name), (t, _) in sorted(taken.items()):
         loc = tabledef.location(t.obj)
-        yield DumpEvent(start, seq, "CREATE_TABLE", db, name, location=loc, table_obj=t.obj)
-        seq += 1
+        events.append(DumpEvent(start, len(events), "CREATE_TABLE", tdb, name, location=loc,
+                                table_obj=t.obj))
         for spec in t.specs:
             got_files = sorted(t.files.get(json.dumps(spec, sort_keys=True), []),
                                key=lambda f: str(f["path"]))
             kind = "ADD_PARTITION" if spec else "INSERT"
             if spec or got_files:
-                yield DumpEvent(start, seq, kind, db, name, [spec] if spec else [], loc,
-                                files=got_files)
-                seq += 1
+                events.append(DumpEvent(start, len(events), kind, tdb, name,
+                                        [spec] if spec else [], loc, files=got_files))
+    return events, {n: after for n, (_, after) in taken.items() if after > start}
 
 
 def _take(
-    spark: Any, db: str, names: list[str], report: Callable[[str, int, int | None], None]
-) -> tuple[dict[str, _Taken], set[str]]:
+    spark: Any, names: list[Name], report: Callable[[str, int, int | None], None]
+) -> tuple[dict[Name, _Taken], set[Name]]:
     """Read each table (definition, partitions, then every file listed and hashed on the
     executors in one batch): the tables read, and those that changed place while they were
-    read (their definition gone or moved, their directory gone)."""
-    got: dict[str, _Taken] = {}
-    dirs: list[tuple[str, str, str]] = []  # (table, spec as JSON, directory)
-    for name in names:
+    read (their definition gone or moved). A name that is a view now is not read."""
+    got: dict[Name, _Taken] = {}
+    dirs: list[tuple[str, str, str]] = []  # (table as "db.table", spec as JSON, directory)
+    for db, name in names:
         try:
             obj = table_obj(spark, db, name)
+            if obj.get("tableType") == "VIRTUAL_VIEW":
+                continue  # a view took the name: views are not replicated
             keys = tabledef.partition_columns(obj)
             specs = _partitions(spark, db, name) if keys else [{}]
         except ReplError:
@@ -309,19 +326,20 @@ def _take(
                 " the daemon's store.warehouse_roots), or replicate the other tables one by"
                 " one",
             )
-        got[name] = _Taken(obj, specs)
+        got[(db, name)] = _Taken(obj, specs)
         for spec in specs:
             rel = tabledef.partition_dir(spec, keys)
-            dirs.append((name, json.dumps(spec, sort_keys=True), os.path.join(loc, rel)))
+            dirs.append((f"{db}.{name}", json.dumps(spec, sort_keys=True), os.path.join(loc, rel)))
     faults.point("dump.defined")
     listed = _list_files(spark, dirs)
     faults.point("dump.files_listed")
-    for name, spec_key, path, checksum, size in _hash_files(spark, listed, report):
-        got[name].files.setdefault(spec_key, []).append(
+    for key, spec_key, path, checksum, size in _hash_files(spark, listed, report):
+        tdb, _, name = key.partition(".")
+        got[(tdb, name)].files.setdefault(spec_key, []).append(
             {"path": path, "checksum": checksum, "size": size}
         )
     unstable = set()
-    for name, t in got.items():
+    for (db, name), t in got.items():
         try:
             now = tabledef.location(table_obj(spark, db, name))
         except ReplError:
@@ -329,7 +347,7 @@ def _take(
         except Exception:
             now = None
         if now != tabledef.location(t.obj):
-            unstable.add(name)
+            unstable.add((db, name))
     return got, unstable
 
 
@@ -350,47 +368,45 @@ def _scan(
             report("events read", read, end - after)
 
 
-def _renamed(e: dict[str, Any]) -> tuple[str, str, str] | None:
-    """(old table, new database, new table) of a table rename event, else None."""
-    obj = e.get("tableObj") or {}
-    if e.get("eventType") != "ALTER_TABLE" or not e.get("table") or not obj.get("table"):
+def _renamed(e: dict[str, Any]) -> tuple[Name, Name] | None:
+    """(old, new) name of a table rename event, else None."""
+    obj = e.get("tableObj")
+    if e.get("eventType") != "ALTER_TABLE" or not isinstance(obj, dict):
         return None
-    old = str(e["table"]).lower()
-    new_db = str(obj.get("db") or e.get("db") or "").lower()
-    new = str(obj["table"]).lower()
-    if (new_db, new) == (str(e.get("db") or "").lower(), old):
+    old_db, old = e.get("db"), e.get("table")
+    new_db, new = obj.get("db") or old_db, obj.get("table")
+    if not all(isinstance(v, str) and v for v in (old_db, old, new_db, new)):
         return None
-    return old, new_db, new
+    was, now = (str(old_db).lower(), str(old).lower()), (str(new_db).lower(), str(new).lower())
+    return None if was == now else (was, now)
 
 
-def _moves(events: Iterator[dict[str, Any]], db: str) -> tuple[set[str], set[str]]:
-    """Of the tables of `db`: the names renames touched (either end), and the names that
-    events dropped (explaining why a table vanished; `_ALL` when the database was)."""
-    moved: set[str] = set()
-    gone: set[str] = set()
+def _moves(events: Iterator[dict[str, Any]]) -> tuple[set[Name], set[Name]]:
+    """The names renames touched (either end), and the names events dropped (explaining why
+    a table vanished; (db, `_ALL`) when the database was)."""
+    moved: set[Name] = set()
+    gone: set[Name] = set()
     for e in events:
-        same_db = str(e.get("db") or "").lower() == db
-        if same_db and e.get("eventType") == "DROP_DATABASE":
-            gone.add(_ALL)
-        elif same_db and e.get("eventType") == "DROP_TABLE" and e.get("table"):
-            gone.add(str(e["table"]).lower())
+        e_db, e_table = e.get("db"), e.get("table")
+        if not isinstance(e_db, str):
+            continue
+        if e.get("eventType") == "DROP_DATABASE":
+            gone.add((e_db.lower(), _ALL))
+        elif e.get("eventType") == "DROP_TABLE" and isinstance(e_table, str):
+            gone.add((e_db.lower(), e_table.lower()))
         elif (r := _renamed(e)) is not None:
-            old, new_db, new = r
-            if same_db:
-                moved.add(old)
-            if new_db == db:
-                moved.add(new)
+            moved |= set(r)
     return moved, gone
 
 
-def _follow(table: str, events: Iterator[dict[str, Any]]) -> list[str]:
-    """The names `table` took through the renames among `events` (same database), in
-    order: the last is its name now."""
-    chain = [table]
+def _follow(name: Name, events: Iterator[dict[str, Any]]) -> list[Name]:
+    """The names a table took through the renames among `events`, in order: the last is
+    its name now."""
+    chain = [name]
     for e in events:
         r = _renamed(e)
-        if r is not None and r[0] == chain[-1] and r[1] == str(e.get("db") or "").lower():
-            chain.append(r[2])
+        if r is not None and r[0] == chain[-1]:
+            chain.append(r[1])
     return chain
 
 

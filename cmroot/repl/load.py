@@ -143,10 +143,24 @@ class Loader:
         self._origin: dict[str, tuple[int, str, str]] = {}  # dst -> (event, path, checksum)
         self._partitions: dict[str, list[dict[str, str]]] = {}
         self._client: Client | None = Client(self.daemon_url, token) if self.daemon_url else None
+        # A bootstrap's tables read in a later round of its snapshot: the event id each
+        # read began after (it holds every event on that name up to there).
+        self._read_after: dict[str, int] = {}
         for name, meta in dump.tables.items():
             db_name, _, table_name = name.partition(".")
             if meta.get("tableObj") and db_name == h.db.lower():  # not another database's
                 self._defs[table_name] = meta["tableObj"]
+            after = meta.get("read_after")
+            if h.kind == "bootstrap" and isinstance(after, int) and not isinstance(after, bool) \
+                    and h.first_event_id < after <= h.last_event_id:
+                self._read_after[name.lower()] = after
+        # A table renamed into a name read later was that table before: the events on its
+        # older name, up to the rename, are held by that read as well.
+        for e in reversed(dump.events):
+            if (names := _rename_names(e)) is not None:
+                old, new = names
+                if self._read_after.get(new, 0) >= e.id:
+                    self._read_after[old] = max(self._read_after.get(old, 0), e.id)
 
     # -- the run --------------------------------------------------------------------------
     def run(self) -> LoadResult:
@@ -295,7 +309,19 @@ class Loader:
                         os.unlink(os.path.join(root, f))
 
     # -- events ---------------------------------------------------------------------------
+    def _held(self, e: DumpEvent) -> bool:
+        """Does the snapshot hold `e` already: a table it read after `e`, named by `e`
+        (either name of a rename)? Replaying it would undo the newer read."""
+        if not self._read_after or e.id <= self.dump.header.first_event_id:
+            return False
+        names = set(_rename_names(e) or ())
+        if e.db and e.table:
+            names.add(f"{e.db}.{e.table}".lower())
+        return any(self._read_after.get(n, 0) >= e.id for n in names)
+
     def _apply(self, e: DumpEvent) -> None:
+        if self._held(e):
+            return
         kind = e.type
         if e.table_obj is not None and e.table:
             # Filed under the name it defines, within the event's database: a rename's
@@ -309,8 +335,15 @@ class Loader:
         elif kind == "DROP_DATABASE":
             if self.table is None:
                 self._flush(e.id)
-                self.dest.drop_db(self.db)
-                self._tables.clear()
+                newer = {n.partition(".")[2] for n, after in self._read_after.items()
+                         if after >= e.id and n.partition(".")[0] == self.dump.header.db}
+                if newer:  # read after the drop: the database came back; keep those
+                    for t in self.dest.tables(self.db):
+                        if t.lower() not in newer:
+                            self._drop_table(replace(e, table=t))
+                else:
+                    self.dest.drop_db(self.db)
+                    self._tables.clear()
         elif kind == "CREATE_TABLE":
             self._ensure_table(e)
             if e.files:  # created over a directory that already held data
@@ -428,7 +461,26 @@ class Loader:
                 spec[unquote(k)] = unquote(v)
         return spec if len(spec) == len(keys) else {}
 
+    def _dropped_unknown(self, e: DumpEvent) -> bool:
+        """Is `e` about a table the destination lacks, the dump has no definition of, and a
+        later event of the dump drops (a bootstrap that never saw a table written and
+        dropped while it read)? Then `e` has nothing to change."""
+        dst = self._dst_table(e)
+        if dst in self._tables or self.dest.has_table(self.db, dst):
+            return False
+        src = (e.table or "").lower()
+        if self._definition(e) is not None:
+            return False
+        pos = next((i for i, x in enumerate(self.dump.events) if x is e), None)
+        if pos is None:  # made by the load itself (a table entering from another database)
+            return False
+        later = self.dump.events[pos + 1:]
+        return any(x.type == "DROP_DATABASE" or (x.type == "DROP_TABLE"
+                   and (x.table or "").lower() == src) for x in later)
+
     def _add(self, e: DumpEvent) -> None:
+        if self._dropped_unknown(e):
+            return
         dst_table = self._ensure_table(e)
         keys = self._keys(e)
         specs = self._partitions.setdefault(dst_table, [])
@@ -690,6 +742,16 @@ class Loader:
             stop.set()
             t.join()
             self.report("files copied", files, files)
+
+
+def _rename_names(e: DumpEvent) -> tuple[str, str] | None:
+    """("db.old", "db.new") of a table rename event, else None."""
+    obj = e.table_obj or {}
+    new = obj.get("table")
+    if e.type != "ALTER_TABLE" or not e.db or not e.table or not isinstance(new, str):
+        return None
+    old_name, new_name = f"{e.db}.{e.table}".lower(), f"{obj.get('db') or e.db}.{new}".lower()
+    return None if old_name == new_name else (old_name, new_name)
 
 
 def _same_columns(a: list[tuple[str, str]], b: list[tuple[str, str]]) -> bool:

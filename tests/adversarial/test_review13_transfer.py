@@ -10,8 +10,8 @@ Each test asserts an invariant; a failing one is a finding."""
 from __future__ import annotations
 
 import errno
-import importlib
 import http.server
+import importlib
 import io
 import json
 import os
@@ -312,7 +312,7 @@ def test_one_stream_failing_while_another_copies_leaves_no_temporary(tmp_path: P
     ]
     try:
         done = list(transfer.copy_all(rows, None, None, streams=2))
-    except Exception as e:  # noqa: BLE001 - any error: then nothing may be left
+    except Exception as e:
         left = listing(root)
         assert left == [], f"copy_all raised {e!r} and left behind {left}"
     else:
@@ -457,7 +457,7 @@ def test_a_daemon_killed_mid_file_is_not_a_lost_file(
     monkeypatch.setattr(transfer.Client, "open", killing_open)
     dst = tmp_path / "dst" / "big"
     row = Copy(src, str(dst), cks.of_bytes(data), len(data))
-    pauses, backoff = no_sleep()
+    _, backoff = no_sleep()
     done = list(transfer.copy_all([row], daemon.url, daemon.tokens["read"], backoff=backoff))
     assert killed
     assert (done[0].source, done[0].fault) == ("failed", "DaemonUnavailable"), (
@@ -644,7 +644,7 @@ def test_in_scope_malformed_table_obj_does_not_crash(obj: Any) -> None:
             out = list(dumpdir.in_scope(log, "a", table))
         except ReplError:
             continue  # refused by name: fine
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             pytest.fail(f"in_scope(table={table!r}) crashed on tableObj={obj!r}: {e!r}")
         assert len(out) == 2
 
@@ -658,7 +658,7 @@ def test_in_scope_malformed_event_names_do_not_crash(field: str, value: Any) -> 
             list(dumpdir.in_scope([e], "a", table))
         except ReplError:
             continue
-        except Exception as ex:  # noqa: BLE001
+        except Exception as ex:
             pytest.fail(f"in_scope crashed on {field}={value!r}: {ex!r}")
 
 

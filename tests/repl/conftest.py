@@ -11,7 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
@@ -109,6 +109,68 @@ class Destination:
         return res
 
 
+class SharedDestination(Destination):
+    """A destination whose steps all run in one long-lived process (one JVM and metastore
+    start for the whole package, instead of one per run). Its tests use names of their
+    own; a test that runs other processes on the destination (the CLI, spark-submit, a
+    killed load) takes a `fresh_destination` (two JVMs cannot share one Derby metastore)."""
+
+    def __init__(self, base: Path) -> None:
+        super().__init__(base)
+        self.log = base / "server.log"
+        self.proc: subprocess.Popen[str] | None = None
+        self._err: IO[str] | None = None
+
+    def run(self, *steps: dict[str, Any], faults: str | None = None) -> list[dict[str, Any]]:
+        assert faults is None, "a killed load needs a fresh_destination"
+        if self.proc is None or self.proc.poll() is not None:
+            self.close()
+            self._err = self.log.open("a")
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.repl.destination", "--serve", str(self.base)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
+                text=True, env=self.env(), cwd=self.base,
+            )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(list(steps)) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, self.log.read_text()[-5000:]
+        reply: dict[str, Any] = json.loads(line)
+        assert "crash" not in reply, reply["crash"]
+        answers: list[dict[str, Any]] = reply["answers"]
+        return answers
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc.stdout.close()
+        if self._err is not None:
+            self._err.close()
+            self._err = None
+
+
+@pytest.fixture(scope="package")
+def shared_destination(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedDestination]:
+    d = SharedDestination(tmp_path_factory.mktemp("shared") / "destination")
+    try:
+        yield d
+    finally:
+        d.close()
+
+
 @pytest.fixture
-def destination(tmp_path: Path) -> Destination:
+def destination(shared_destination: SharedDestination) -> Destination:
+    return shared_destination
+
+
+@pytest.fixture
+def fresh_destination(tmp_path: Path) -> Destination:
+    """A destination of this test's own (empty catalog, runs a process per `run`)."""
     return Destination(tmp_path / "destination")

@@ -88,7 +88,7 @@ def test_renames_and_swaps_during_a_bootstrap(
 
 
 def test_a_database_dropped_and_re_created_during_a_bootstrap(
-    source: Source, destination: Destination, monkeypatch: pytest.MonkeyPatch
+    source: Source, fresh_destination: Destination, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The database itself is dropped and re-created with other tables while the snapshot
     is taken: the replica is the new database. A load killed just after it re-created the
@@ -112,8 +112,8 @@ def test_a_database_dropped_and_re_created_during_a_bootstrap(
     events = dumpdir.read(url).events
     created = next(i for i, e in enumerate(events) if e.type == "CREATE_TABLE" and e.table == "new")
     assert any(e.type == "DROP_DATABASE" for e in events[:created])
-    destination.run({"load": {"dump": url}}, faults=f"load.applied@{created + 1}")
-    first, inc = destination.run(
+    fresh_destination.run({"load": {"dump": url}}, faults=f"load.applied@{created + 1}")
+    first, inc = fresh_destination.run(
         {"load": {"dump": url}, "queries": q, "status": [db]},
         {"load": {"dump": url2}, "queries": q, "status": [db]},
     )

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def test_targets_that_are_not_this_replica_are_refused(
-    source: Source, destination: Destination
+    source: Source, destination: Destination, fresh_destination: Destination
 ) -> None:
     start = source.daemon.current()
     source.sql("CREATE DATABASE sc")
@@ -47,9 +47,9 @@ def test_targets_that_are_not_this_replica_are_refused(
         "whole"]
 
     # A one-table bootstrap killed just after it created its table: the rerun goes on.
-    destination.run({"load": {"dump": boot_t, "target": "one.t"}},
-                    faults="load.table_created@1")
-    (rerun,) = destination.run({"load": {"dump": boot_t, "target": "one.t"},
+    fresh_destination.run({"load": {"dump": boot_t, "target": "one.t"}},
+                          faults="load.table_created@1")
+    (rerun,) = fresh_destination.run({"load": {"dump": boot_t, "target": "one.t"},
                                 "queries": {"t": "SELECT * FROM one.t"}, "status": ["one.t"]})
     assert "error" not in rerun["load"], rerun["load"]
     assert rerun["rows"]["t"] == [[1]] and rerun["status"]["one.t"] == hb.last_event_id

@@ -110,7 +110,8 @@ def test_bootstrap_while_a_writer_adds_and_drops(source: Source, destination: De
     assert inc["status"]["bs"] == header2.last_event_id
 
 
-def test_driver_killed_midway_then_rerun(source: Source, destination: Destination) -> None:
+def test_driver_killed_midway_then_rerun(source: Source, fresh_destination: Destination) -> None:
+    destination = fresh_destination
     """kill -9 of the load's spark-submit while files are being copied; the rerun ends
     with exactly the source's rows and files, no duplicates, no temporaries."""
     start = source.daemon.current()
@@ -190,8 +191,9 @@ def test_file_expired_from_the_cmroot(source: Source, destination: Destination) 
 
 
 def test_one_table_renamed_on_load_through_the_cli(
-    source: Source, destination: Destination, tmp_path: Path
+    source: Source, fresh_destination: Destination, tmp_path: Path
 ) -> None:
+    destination = fresh_destination
     start = source.daemon.current()
     source.sql("CREATE DATABASE one")
     source.sql("CREATE TABLE one.t (a INT) USING parquet")
