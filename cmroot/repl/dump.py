@@ -194,6 +194,19 @@ def _partitions(spark: Any, db: str, table: str) -> list[dict[str, str]]:
     return out
 
 
+def _partition_locations(spark: Any, db: str, table: str) -> set[str]:
+    """Where the catalog places each partition of the table (local paths)."""
+    jvm = spark.sparkContext._jvm
+    parts = spark._jsparkSession.sharedState().externalCatalog().listPartitions(
+        db, table, jvm.scala.Option.empty()
+    )
+    out = set()
+    it = parts.iterator()
+    while it.hasNext():
+        out.add(str(it.next().location().getPath()).rstrip("/"))
+    return out
+
+
 @dataclass
 class _Taken:
     """One table as the snapshot read it: its definition, partitions and files (by
@@ -306,6 +319,7 @@ def _take(
                 continue  # a view took the name: views are not replicated
             keys = tabledef.partition_columns(obj)
             specs = _partitions(spark, db, name) if keys else [{}]
+            placed = _partition_locations(spark, db, name) if keys else set()
         except ReplError:
             raise
         except Exception as e:  # dropped or renamed while we looked: its event follows
@@ -325,6 +339,16 @@ def _take(
                 " LOCATION), add its directory to the roots (spark.cmroot.warehouseRoots and"
                 " the daemon's store.warehouse_roots), or replicate the other tables one by"
                 " one",
+            )
+        places = {os.path.join(loc, tabledef.partition_dir(spec, keys)) for spec in specs}
+        own = sorted(placed - places)
+        if own:
+            raise ReplError(
+                "partition with its own location",
+                f"{db}.{name} has partitions at {', '.join(own[:3])}"
+                f"{' and more' if len(own) > 3 else ''}, outside their default places under"
+                f" {loc}: partitions with their own locations are not replicated by this"
+                " version (move them back: ALTER TABLE ... PARTITION (...) SET LOCATION)",
             )
         got[(db, name)] = _Taken(obj, specs)
         for spec in specs:

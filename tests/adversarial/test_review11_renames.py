@@ -90,11 +90,8 @@ def test_followed_cmroot_answer_cannot_be_fetched_by_a_remote_loader(
     monkeypatch.setattr(transfer.os.path, "isfile",
                         lambda p: False if str(p).startswith(store) else real_isfile(p))
     dst = d.base / "replica" / "part-0"
-    client = d.client("read")
-    try:
-        got = transfer._one(transfer.Copy(str(t_new / "part-0"), str(dst), c, len(data)), client)
-    finally:
-        client.close()
+    (got,) = transfer.copy_all([transfer.Copy(str(t_new / "part-0"), str(dst), c, len(data))],
+                               d.url, d.tokens["read"])
     monkeypatch.undo()
     fetched = d.request("GET", d.files_url(str(t_new / "part-0"), c), scope="read")
     assert (got.source, fetched.status) == ("cmroot", 200), (got, fetched)
