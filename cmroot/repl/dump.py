@@ -22,7 +22,7 @@ from cmroot import faults
 from cmroot.client import Client
 from cmroot.exceptions import BadRequest, ReplError
 from cmroot.repl import dumpdir, tabledef
-from cmroot.repl.dumpdir import DumpEvent, Header
+from cmroot.repl.dumpdir import DumpEvent, Header, Name
 
 log = logging.getLogger(__name__)
 
@@ -217,9 +217,6 @@ class _Taken:
     files: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
-Name = tuple[str, str]  # (database, table), lower case
-
-
 def _snapshot(
     spark: Any,
     client: Client,
@@ -392,19 +389,6 @@ def _scan(
             report("events read", read, end - after)
 
 
-def _renamed(e: dict[str, Any]) -> tuple[Name, Name] | None:
-    """(old, new) name of a table rename event, else None."""
-    obj = e.get("tableObj")
-    if e.get("eventType") != "ALTER_TABLE" or not isinstance(obj, dict):
-        return None
-    old_db, old = e.get("db"), e.get("table")
-    new_db, new = obj.get("db") or old_db, obj.get("table")
-    if not all(isinstance(v, str) and v for v in (old_db, old, new_db, new)):
-        return None
-    was, now = (str(old_db).lower(), str(old).lower()), (str(new_db).lower(), str(new).lower())
-    return None if was == now else (was, now)
-
-
 def _moves(events: Iterator[dict[str, Any]]) -> tuple[set[Name], set[Name]]:
     """The names renames touched (either end), and the names events dropped (explaining why
     a table vanished; (db, `_ALL`) when the database was)."""
@@ -418,7 +402,7 @@ def _moves(events: Iterator[dict[str, Any]]) -> tuple[set[Name], set[Name]]:
             gone.add((e_db.lower(), _ALL))
         elif e.get("eventType") == "DROP_TABLE" and isinstance(e_table, str):
             gone.add((e_db.lower(), e_table.lower()))
-        elif (r := _renamed(e)) is not None:
+        elif (r := dumpdir.renamed(e)) is not None:
             moved |= set(r)
     return moved, gone
 
@@ -428,7 +412,7 @@ def _follow(name: Name, events: Iterator[dict[str, Any]]) -> list[Name]:
     its name now."""
     chain = [name]
     for e in events:
-        r = _renamed(e)
+        r = dumpdir.renamed(e)
         if r is not None and r[0] == chain[-1]:
             chain.append(r[1])
     return chain

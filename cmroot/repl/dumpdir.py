@@ -322,6 +322,20 @@ def _damaged(url: str, name: str, what: str) -> ReplError:
     )
 
 
+Name = tuple[str, str]  # (database, table), lower case
+
+
+def renamed(e: dict[str, Any]) -> tuple[Name, Name] | None:
+    """(old, new) name of an API event that renames a table (within or across databases),
+    else None (also for an omitted or foreign `tableObj`: no rename is known)."""
+    obj = e.get("tableObj")
+    if e.get("eventType") != "ALTER_TABLE" or not isinstance(obj, dict):
+        return None
+    was = (_name(e.get("db")), _name(e.get("table")))
+    now = (_name(obj.get("db")) or was[0], _name(obj.get("table")))
+    return None if not all(was + now) or was == now else (was, now)
+
+
 def in_scope(
     events: Iterable[dict[str, Any]], db: str, table: str | None
 ) -> Iterator[tuple[dict[str, Any], bool]]:
@@ -330,21 +344,16 @@ def in_scope(
     brings the table (its event lists the files)."""
     db_now, current = db.lower(), table.lower() if table else None
     for e in events:
-        e_db = _name(e.get("db"))
-        obj = e.get("tableObj")
-        obj = obj if isinstance(obj, dict) else {}  # omitted or foreign: no rename known
-        renamed = e.get("eventType") == "ALTER_TABLE" and _name(obj.get("table"))
+        e_db, moved = _name(e.get("db")), renamed(e)
         if current is None:
-            entering = renamed and _name(obj.get("db")) == db_now
-            yield e, e_db == db_now or bool(entering)
+            yield e, e_db == db_now or (moved is not None and moved[1][0] == db_now)
         elif e_db != db_now:
             yield e, False
         elif e.get("eventType") in ("CREATE_DATABASE", "DROP_DATABASE"):
             yield e, True
         elif _name(e.get("table")) == current:
-            if renamed:
-                current = _name(obj["table"])
-                db_now = _name(obj.get("db")) or e_db
+            if moved is not None:
+                db_now, current = moved[1]
             yield e, True
         else:
             yield e, False

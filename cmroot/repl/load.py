@@ -746,12 +746,9 @@ class Loader:
 
 def _rename_names(e: DumpEvent) -> tuple[str, str] | None:
     """("db.old", "db.new") of a table rename event, else None."""
-    obj = e.table_obj or {}
-    new = obj.get("table")
-    if e.type != "ALTER_TABLE" or not e.db or not e.table or not isinstance(new, str):
-        return None
-    old_name, new_name = f"{e.db}.{e.table}".lower(), f"{obj.get('db') or e.db}.{new}".lower()
-    return None if old_name == new_name else (old_name, new_name)
+    names = dumpdir.renamed({"eventType": e.type, "db": e.db, "table": e.table,
+                             "tableObj": e.table_obj})
+    return None if names is None else (".".join(names[0]), ".".join(names[1]))
 
 
 def _same_columns(a: list[tuple[str, str]], b: list[tuple[str, str]]) -> bool:
