@@ -84,9 +84,14 @@ class Destination:
 
     def create_table(
         self, table_obj: dict[str, Any], db: str, table: str,
-        properties: dict[str, str] | None = None,
+        properties: dict[str, str] | None = None, location: str | None = None,
     ) -> None:
-        self.sql(tabledef.create_sql(table_obj, db, table, properties))
+        self.sql(tabledef.create_sql(table_obj, db, table, properties, location))
+
+    def warehouse(self) -> str:
+        """The local directory of the session's warehouse."""
+        uri = self._jvm.java.net.URI(self.spark.conf.get("spark.sql.warehouse.dir"))
+        return str(uri.getPath() or uri.toString()).rstrip("/")
 
     def drop_table(self, db: str, table: str) -> None:
         self.sql(f"DROP TABLE IF EXISTS {qualified(db, table)} PURGE")

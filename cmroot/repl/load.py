@@ -51,6 +51,7 @@ REMOVES = frozenset({"INSERT_OVERWRITE", "TRUNCATE", "DELETE", "ALTER_LOCATION"}
 # limits (cmroot.index.events.OMITTED): the definition is unknown, not empty.
 OMITTED = "_cmroot"
 _RESOLVE_BATCH = 5000
+EXTERNAL_DIR = "_external"  # under the destination warehouse: replicas of external tables
 
 
 @dataclass
@@ -418,10 +419,28 @@ class Loader:
                     "definition for it: load a bootstrap first (cmroot repl dump without --from)",
                 )
             self.dest.create_table(obj, self.db, dst,
-                                   self._marks() if self.table is not None else None)
+                                   self._marks() if self.table is not None else None,
+                                   self._external_place(obj, e))
             faults.point("load.table_created")
         self._tables.add(dst)
         return dst
+
+    def _external_place(self, obj: dict[str, Any], e: DumpEvent) -> str | None:
+        """Where the replica of an external table lives: the source's location under
+        `<destination warehouse>/_external/` (None: a managed table, placed by the
+        catalog). A replica stays external, so dropping it leaves its files as the source's
+        drop does (the load removes its own copy)."""
+        if not tabledef.is_external(obj):
+            return None
+        src = tabledef.location(obj)
+        if not src or not src.startswith("/"):
+            raise ReplError("external table without a local location",
+                            f"event {e.id}: {e.db}.{e.table} at {src}")
+        root = os.path.join(self.dest.warehouse(), EXTERNAL_DIR)
+        place = os.path.normpath(os.path.join(root, src.lstrip("/")))
+        if not place.startswith(root + "/"):
+            raise ReplError("bad location in the dump", f"event {e.id}: {src}")
+        return place
 
     def _keys(self, e: DumpEvent) -> list[str]:
         """The table's partition columns: the destination's, else the dump's definition."""

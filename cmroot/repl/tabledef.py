@@ -466,11 +466,17 @@ def user_properties(table_obj: dict[str, Any]) -> dict[str, str]:
     }
 
 
+def is_external(table_obj: dict[str, Any]) -> bool:
+    return table_obj.get("tableType") == "EXTERNAL_TABLE"
+
+
 def create_sql(
-    table_obj: dict[str, Any], db: str, table: str, extra: dict[str, str] | None = None
+    table_obj: dict[str, Any], db: str, table: str, extra: dict[str, str] | None = None,
+    location: str | None = None,
 ) -> str:
-    """`CREATE TABLE IF NOT EXISTS` for the definition, as a managed table `db`.`table`,
-    with the `extra` table properties (the replica's own) set by the same statement."""
+    """`CREATE TABLE IF NOT EXISTS` for the definition, as `db`.`table`: a managed table,
+    or an external one at `location`, with the `extra` table properties (the replica's
+    own) set by the same statement."""
     cols = columns(table_obj)
     if not cols:
         raise ReplError(
@@ -484,8 +490,10 @@ def create_sql(
         raise _damaged(table_obj, f"its partition columns {missing} are not among its columns")
     prov = provider(table_obj)
     props = user_properties(table_obj) | (extra or {})
-    sql = [f"CREATE TABLE IF NOT EXISTS {qualified(db, table)}"]
-    if prov and prov.lower() != "hive":
+    hive = not (prov and prov.lower() != "hive")
+    external = "EXTERNAL " if location is not None and hive else ""
+    sql = [f"CREATE {external}TABLE IF NOT EXISTS {qualified(db, table)}"]
+    if not hive:
         sql.append("(" + ", ".join(f"{quote(n)} {t}" for n, t in cols) + ")")
         sql.append(f"USING {prov}")
         if parts:
@@ -521,6 +529,8 @@ def create_sql(
                 f"STORED AS INPUTFORMAT {literal(input_format)}"
                 f" OUTPUTFORMAT {literal(output_format)}"
             )
+    if location is not None:  # a data source table with a LOCATION is external
+        sql.append(f"LOCATION {literal(location)}")
     if props:
         sql.append("TBLPROPERTIES (" + properties_sql(props) + ")")
     return " ".join(sql)
