@@ -14,6 +14,7 @@ from cmroot.repl.tabledef import literal, properties_sql, qualified, quote
 LAST_ID = "repl.last.id"  # Hive's key: the last source event applied here
 BOOTSTRAP = "cmroot.repl.bootstrap"  # the event id of the bootstrap this replica came from
 SOURCE = "cmroot.repl.source"  # the identity of the source's event log (Header.source)
+SCOPE = "cmroot.repl.scope"  # what the replica follows at the source: "db" or "db.table"
 
 
 class Destination:
@@ -139,15 +140,13 @@ class Destination:
         self.sql(f"REFRESH TABLE {qualified(db, table)}")
 
 
-_CHAR_VARCHAR = "__CHAR_VARCHAR_TYPE_STRING"  # where Spark keeps a declared char/varchar
-
-
 def _declared_type(field: Any) -> str:
     """A column's type as declared (char(n) and varchar(n) are strings to Spark, which
     keeps the declaration in the field's metadata)."""
     meta = field.metadata()
-    return str(meta.getString(_CHAR_VARCHAR)) if meta.contains(_CHAR_VARCHAR) else str(
-        field.dataType().sql())
+    if meta.contains(tabledef.CHAR_VARCHAR):
+        return str(meta.getString(tabledef.CHAR_VARCHAR))
+    return str(field.dataType().sql())
 
 
 def _scala_map(m: Any) -> dict[str, str]:

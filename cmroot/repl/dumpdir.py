@@ -270,6 +270,12 @@ def _header(url: str, fs: Any, root: str) -> Header:
             f"{url} has no {HEADER}: point --from-dir at the directory `cmroot repl dump` "
             "printed; an interrupted dump must be taken again",
         ) from None
+    except OSError as e:  # a file where the dump's directory should be, unreadable, ...
+        raise ReplError(
+            "cannot read the dump",
+            f"{url.rstrip('/')}/{HEADER}: {e.strerror or e}: give the directory `cmroot"
+            " repl dump` printed",
+        ) from None
     raw = _decode(_OBJECT, text, url, HEADER, "not a JSON object")
     if "format" not in raw:
         raise _damaged(url, HEADER, "no format")

@@ -28,9 +28,9 @@ from urllib.parse import unquote
 from cmroot import faults
 from cmroot.client import Client
 from cmroot.durable import sync_filesystem
-from cmroot.exceptions import FileLost, ReplError
+from cmroot.exceptions import CmrootError, FileLost, ReplError
 from cmroot.repl import dumpdir, tabledef
-from cmroot.repl.catalog import BOOTSTRAP, LAST_ID, SOURCE, Destination
+from cmroot.repl.catalog import BOOTSTRAP, LAST_ID, SCOPE, SOURCE, Destination
 from cmroot.repl.dumpdir import Dump, DumpEvent
 from cmroot.repl.transfer import (
     TEMP_PREFIX,
@@ -152,8 +152,11 @@ class Loader:
             if meta.get("tableObj") and db_name == h.db.lower():  # not another database's
                 self._defs[table_name] = meta["tableObj"]
             after = meta.get("read_after")
-            if h.kind == "bootstrap" and isinstance(after, int) and not isinstance(after, bool) \
-                    and h.first_event_id < after <= h.last_event_id:
+            # A database's snapshot reads its own tables only (a one-table one follows its
+            # table anywhere).
+            ours = h.table is not None or db_name == h.db.lower()
+            if h.kind == "bootstrap" and ours and isinstance(after, int) \
+                    and not isinstance(after, bool) and h.first_event_id < after <= h.last_event_id:
                 self._read_after[name.lower()] = after
         # A table renamed into a name read later was that table before: the events on its
         # older name, up to the rename, are held by that read as well.
@@ -195,7 +198,17 @@ class Loader:
         self._sweep_temporaries()
         total = len(todo)
         for i, e in enumerate(todo, 1):
-            self._apply(e)
+            try:
+                self._apply(e)
+            except CmrootError:
+                raise
+            except Exception as err:  # Spark refused a statement: name the event, no trace
+                raise ReplError(
+                    f"cannot apply event {e.id} ({e.type} of {e.db}.{e.table})",
+                    f"{(str(err).strip().splitlines() or [type(err).__name__])[0][:300]}:"
+                    f" the load of {self._scope()}"
+                    " stopped there; a rerun goes on from the status it recorded",
+                ) from err
             faults.point("load.applied")
             self.result.events += 1
             self.report("events applied", i, total)
@@ -221,6 +234,13 @@ class Loader:
                 f" {h.source} ({h.daemon_url}): load it under another name, or drop"
                 f" {self._scope()} and bootstrap it from this source",
             )
+        scope = props.get(SCOPE)
+        if scope and scope != h.scope:
+            raise ReplError(
+                "the target is a replica of something else",
+                f"{self._scope()} replicates {scope} of its source; this dump is of {h.scope}:"
+                f" load it under another name (cmroot repl load NAME --from-dir ...)",
+            )
         if h.kind == "incremental" and props.get(BOOTSTRAP) and not props.get(LAST_ID):
             raise ReplError(
                 "the target's bootstrap did not finish",
@@ -237,7 +257,8 @@ class Loader:
             )
         if self.table is not None and self.dest.has_db(self.db):
             whole = self.dest.db_properties(self.db)
-            if whole.get(LAST_ID) or whole.get(BOOTSTRAP):
+            # Only a database-level load marks a database (a one-table load's is bare).
+            if whole.get(LAST_ID) or whole.get(BOOTSTRAP) or whole.get(SOURCE):
                 raise ReplError(
                     "the target database is a replica of a whole database",
                     f"{self.db} replicates database {h.db}'s dumps: a one-table dump loaded"
@@ -262,7 +283,7 @@ class Loader:
         return f"{h.first_event_id}@{h.source}" if h.source else str(h.first_event_id)
 
     def _set_status(self, event_id: int) -> None:
-        props = {LAST_ID: str(event_id)}
+        props = {LAST_ID: str(event_id), SCOPE: self.dump.header.scope}
         if self.dump.header.source:
             props[SOURCE] = self.dump.header.source
         if self.table is None:
@@ -376,6 +397,7 @@ class Loader:
         re-created it); one without them is someone else's."""
         h = self.dump.header
         marks = {SOURCE: h.source} if h.source else {}
+        marks[SCOPE] = h.scope
         if h.kind == "bootstrap":
             marks[BOOTSTRAP] = self._marker()
         return marks
@@ -584,7 +606,14 @@ class Loader:
         """Give the replica the source's data columns: appended ones by ADD COLUMNS, any
         other change (a column dropped, renamed, retyped, reordered) by replacing the data
         schema, so the replica reads its files as the source does."""
-        keys = {k.lower() for k in tabledef.partition_columns(new)}
+        keys = {k.lower() for k in self.dest.partition_columns(self.db, dst)}
+        if keys != {k.lower() for k in tabledef.partition_columns(new)}:
+            raise ReplError(
+                "table definition changes the partitioning",
+                f"{self.db}.{dst} is partitioned by {sorted(keys)}, its new definition by"
+                f" {tabledef.partition_columns(new)}: a replica cannot follow that; take a"
+                " bootstrap of it",
+            )
         want = [(n, t) for n, t in tabledef.columns(new) if n.lower() not in keys]
         have = self.dest.data_schema(self.db, dst)
         if _same_columns(want[: len(have)], have):

@@ -201,7 +201,25 @@ def _spark_columns(table_obj: dict[str, Any], schema: dict[str, Any]) -> list[tu
     except (ValueError, TypeError, AttributeError, AssertionError, RecursionError) as e:
         # What the structural check leaves to pyspark: type names, collation metadata.
         raise _damaged(table_obj, f"its Spark schema does not parse ({str(e)[:120]})") from None
-    return [(f.name, _spark_type(f.dataType)) for f in fields]
+    return [(f.name, _declared(table_obj, f)) for f in fields]
+
+
+def _declared(table_obj: dict[str, Any], field: Any) -> str:
+    """A field's type as declared: Spark keeps a char(n) or varchar(n) column as a string
+    with the declaration in its metadata, which the replica must declare again."""
+    declared = (field.metadata or {}).get(CHAR_VARCHAR)
+    if isinstance(declared, str):
+        try:
+            parsed = _TypeParser(declared).parse()
+        except (_Unsupported, ValueError):
+            parsed = ""
+        if parsed.startswith(("char(", "varchar(")):
+            return parsed
+        raise _damaged(table_obj, f"column {field.name!r} declares {declared[:60]!r}")
+    return _spark_type(field.dataType)
+
+
+CHAR_VARCHAR = "__CHAR_VARCHAR_TYPE_STRING"  # where Spark keeps a declared char/varchar
 
 
 def _check_spark_type(table_obj: dict[str, Any], node: Any, column: str = "") -> None:

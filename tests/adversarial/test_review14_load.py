@@ -91,7 +91,7 @@ def _no_error(step: dict[str, Any]) -> None:
 
 # -- read_after ------------------------------------------------------------------------------
 def test_forged_read_after_never_skips_what_must_be_applied(
-    source: Source, destination: Destination
+    source: Source, destination: Destination  # noqa: F811
 ) -> None:
     """read_after keyed by another database's table (a database bootstrap never reads one),
     read_after in an incremental dump, and read_after past the dump's end: none may make the
@@ -133,15 +133,16 @@ def test_forged_read_after_never_skips_what_must_be_applied(
         {"load": {"dump": f2, "target": "rv14_ra_f2"}, "queries": q("rv14_ra_f2")},
         {"load": {"dump": f3, "target": "rv14_ra_f3"}, "queries": q("rv14_ra_f3")},
     )
+    bad = {}
     for name, step in (("other-db key", one), ("incremental", two), ("past the end", three)):
-        _no_error(step)
-        assert step["rows"]["keep"] == [[1]], name
-        assert step["rows"]["t"] == want, name
+        if "error" in step["load"] or step["rows"]["keep"] != [[1]] or step["rows"]["t"] != want:
+            bad[name] = (step["load"].get("error"), step["rows"])
+    assert not bad, bad
 
 
 # -- refusals --------------------------------------------------------------------------------
 def test_one_table_dump_refused_inside_a_database_replica_whose_first_load_stopped(
-    source: Source, destination: Destination
+    source: Source, destination: Destination  # noqa: F811
 ) -> None:
     """A database-level incremental load that stopped before its first id leaves a database
     marked with the source only (cmroot.repl.source): it is still a database-level replica
@@ -171,7 +172,7 @@ def test_one_table_dump_refused_inside_a_database_replica_whose_first_load_stopp
 
 
 def test_incremental_dump_of_another_database_refused_on_a_replica(
-    source: Source, destination: Destination
+    source: Source, destination: Destination  # noqa: F811
 ) -> None:
     """A replica of rv14_a must not take rv14_b's incremental dump (same source, ids that
     line up): its tables would be written into rv14_a's replica."""
@@ -199,9 +200,9 @@ def test_incremental_dump_of_another_database_refused_on_a_replica(
 
 # -- column changes --------------------------------------------------------------------------
 def test_column_changes_keep_the_source_columns(
-    source: Source, destination: Destination
+    source: Source, destination: Destination  # noqa: F811
 ) -> None:
-    """char/varchar columns unchanged across an alter, a struct gaining a field, a column
+    """char/varchar columns unchanged across an alter, a struct column added, a column
     dropped from a partitioned datasource table: the replica has the source's columns and
     rows after each dump."""
     start = source.daemon.current()
@@ -218,8 +219,9 @@ def test_column_changes_keep_the_source_columns(
     source.sql("ALTER TABLE rv14_c.h SET TBLPROPERTIES ('rv14' = '1')")
     source.sql("ALTER TABLE rv14_c.d SET TBLPROPERTIES ('rv14' = '1')")
     source.sql("ALTER TABLE rv14_c.h ADD COLUMNS (z INT)")
-    _set_columns(source, "rv14_c", "s", "a INT, s STRUCT<x: INT, y: STRING>")
-    source.sql("INSERT INTO rv14_c.s VALUES (2, named_struct('x', 2, 'y', 'two'))")
+    # (a struct gaining a field is refused by the source's own metastore: not tried)
+    source.sql("ALTER TABLE rv14_c.s ADD COLUMNS (z STRUCT<w: INT>)")
+    source.sql("INSERT INTO rv14_c.s VALUES (2, named_struct('x', 2), named_struct('w', 3))")
     _set_columns(source, "rv14_c", "p", "a INT")
     source.sql("INSERT INTO rv14_c.p VALUES (2, 2)")
     inc2, h2 = source.dump("rv14_c", from_id=h1.last_event_id)
@@ -227,16 +229,20 @@ def test_column_changes_keep_the_source_columns(
     for t in ("h", "d", "s", "p"):
         q[f"{t} cols"] = f"DESCRIBE TABLE rv14_c.{t}"
         q[f"{t} rows"] = f"SELECT * FROM rv14_c.{t}"
-    q["s y"] = "SELECT a, s.x, s.y FROM rv14_c.s"
+    q["s z"] = "SELECT a, s.x, z.w FROM rv14_c.s"
     first, second = destination.run(
-        {"load": {"dump": inc1}},
+        {"load": {"dump": inc1}, "queries": {"h": q["h cols"], "d": q["d cols"]}},
         {"load": {"dump": inc2}, "queries": q, "status": ["rv14_c"]},
     )
     _no_error(first)
+    # Before the alters the replica declares what the source declared (char/varchar).
+    before = {t: sorted(r[:2] for r in first["rows"][t]) for t in ("h", "d")}
     _no_error(second)
-    bad = {}
+    bad: dict[str, Any] = {}
+    if before != {t: [["a", "int"], ["c", "varchar(10)"], ["k", "char(3)"]] for t in ("h", "d")}:
+        bad["after the first load"] = before
     for name, sql in q.items():
-        want = source.rows(sql)
+        want = json.loads(json.dumps(source.rows(sql), default=str))
         got = second["rows"][name]
         if name.endswith("cols"):
             want = [r[:2] for r in want]
@@ -248,7 +254,7 @@ def test_column_changes_keep_the_source_columns(
 
 
 def test_forged_alter_that_drops_the_partition_columns_is_a_repl_error(
-    source: Source, destination: Destination
+    source: Source, destination: Destination  # noqa: F811
 ) -> None:
     """An ALTER_TABLE whose definition no longer names the table's partition column (a
     forged or foreign event) must be refused as a ReplError, not crash the load with a
@@ -280,7 +286,9 @@ def test_forged_alter_that_drops_the_partition_columns_is_a_repl_error(
 
 
 # -- cmroot repl dump --after ----------------------------------------------------------------
-def _after(source: Source, previous: str, to_dir: Path) -> subprocess.CompletedProcess[str]:
+def _after(
+    source: Source, previous: str, to_dir: Path  # noqa: F811
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "cmroot.cli", "repl", "dump", "--after", previous,
          "--to-dir", str(to_dir), "--url", source.daemon.url],
@@ -288,7 +296,7 @@ def _after(source: Source, previous: str, to_dir: Path) -> subprocess.CompletedP
     )
 
 
-def test_dump_after_odd_previous_dumps(source: Source, tmp_path: Path) -> None:
+def test_dump_after_odd_previous_dumps(source: Source, tmp_path: Path) -> None:  # noqa: F811
     """--after with a database dump continues it (or refuses clearly); with a previous dump
     that cannot be read, or of another source, it fails naming the previous dump, never
     blaming --to-dir, never with a traceback."""
