@@ -703,7 +703,8 @@ class FakeDest:
         self.dbs[db].update(properties)
 
     def create_table(self, obj: dict[str, Any], db: str, table: str,
-                     properties: dict[str, str] | None = None) -> None:
+                     properties: dict[str, str] | None = None,
+                     location: str | None = None) -> None:
         self.tbls[(db, table)] = {"obj": obj, "props": dict(properties or {})}
         self.created[table] = obj
         os.makedirs(self.location(db, table), exist_ok=True)
