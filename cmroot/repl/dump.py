@@ -113,11 +113,9 @@ def _name_at_end(db: str, table: str | None, events: list[DumpEvent]) -> str | N
         return None
     now = (db, table)
     for e in events:
-        obj = e.table_obj or {}
-        if e.type == "ALTER_TABLE" and ((e.db or "").lower(), (e.table or "").lower()) == now \
-                and obj.get("table"):
-            now = (str(obj.get("db") or e.db).lower(), str(obj["table"]).lower())
-    return f"{now[0]}.{now[1]}"
+        if (names := e.renamed()) is not None and names[0] == now:
+            now = names[1]
+    return ".".join(now)
 
 
 def after(

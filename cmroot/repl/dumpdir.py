@@ -79,6 +79,11 @@ class DumpEvent:
     timestamp: float = 0.0
     files: list[dict[str, Any]] = field(default_factory=list)
 
+    def renamed(self) -> tuple[Name, Name] | None:
+        """(old, new) name when this event renames a table, else None (`renamed`)."""
+        return renamed({"eventType": self.type, "db": self.db, "table": self.table,
+                        "tableObj": self.table_obj})
+
     @classmethod
     def from_api(cls, e: dict[str, Any], seq: int = 0) -> DumpEvent:
         """An event as `GET /v1/events` returns it."""

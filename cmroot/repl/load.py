@@ -794,8 +794,7 @@ class Loader:
 
 def _rename_names(e: DumpEvent) -> tuple[str, str] | None:
     """("db.old", "db.new") of a table rename event, else None."""
-    names = dumpdir.renamed({"eventType": e.type, "db": e.db, "table": e.table,
-                             "tableObj": e.table_obj})
+    names = e.renamed()
     return None if names is None else (".".join(names[0]), ".".join(names[1]))
 
 
