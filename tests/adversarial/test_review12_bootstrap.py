@@ -126,26 +126,13 @@ def _state(src: Source, db: str, table: str) -> dict[str, Any]:
     }
 
 
-def _rename_across(src: Source, db: str, table: str, new_db: str) -> None:
-    """ALTER TABLE db.table RENAME TO new_db.table as another engine does it (through the
-    metastore: Spark refuses it), as in tests/repl/test_rename_across_databases.py."""
-    jvm = src.spark.sparkContext._jvm
-    client = src.spark._jsparkSession.sharedState().externalCatalog().unwrapped().client()
-    moved = client.getRawHiveTable(db, table).rawTable().getTTable().deepCopy()
-    moved.setDbName(new_db)
-    jvm.org.apache.hadoop.hive.ql.metadata.Hive.get(client.conf()).getMSC().alter_table(
-        db, table, moved
-    )
-    src.spark.catalog.clearCache()
-
-
 def across(table: str, to: str = "{db}_o", back: bool = False) -> Statement:
     def go(src: Source, db: str) -> None:
         other = to.format(db=db)
         if back:
-            _rename_across(src, other, table, db)
+            src.rename_across(other, table, db)
         else:
-            _rename_across(src, db, table, other)
+            src.rename_across(db, table, other)
 
     return go
 

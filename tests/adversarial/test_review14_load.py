@@ -34,16 +34,6 @@ pytestmark = pytest.mark.timeout(900)
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def _rename_across(src: Source, db: str, table: str, new_db: str) -> None:
-    """ALTER TABLE db.table RENAME TO new_db.table as another engine does it."""
-    jvm = src.spark.sparkContext._jvm
-    client = src.spark._jsparkSession.sharedState().externalCatalog().unwrapped().client()
-    moved = client.getRawHiveTable(db, table).rawTable().getTTable().deepCopy()
-    moved.setDbName(new_db)
-    jvm.org.apache.hadoop.hive.ql.metadata.Hive.get(client.conf()).getMSC().alter_table(
-        db, table, moved
-    )
-    src.spark.catalog.clearCache()
 
 
 def _set_columns(src: Source, db: str, table: str, ddl: str) -> None:
@@ -103,7 +93,7 @@ def test_forged_read_after_never_skips_what_must_be_applied(
     source.sql("CREATE TABLE rv14_rb.t (a INT) STORED AS PARQUET")
     source.sql("INSERT INTO rv14_rb.t VALUES (5)")
     boot, hb = source.dump("rv14_ra")
-    _rename_across(source, "rv14_rb", "t", "rv14_ra")
+    source.rename_across("rv14_rb", "t", "rv14_ra")
     source.sql("INSERT INTO rv14_ra.t VALUES (6)")
     inc, hi = source.dump("rv14_ra", from_id=hb.last_event_id)
     rename = next(e for e in dumpdir.read(inc).events if e.type == "ALTER_TABLE")

@@ -39,6 +39,19 @@ class Source(Lake):
             if not f.startswith((".", "_")) and "/." not in d[len(str(root)):]
         )
 
+    def rename_across(self, db: str, table: str, new_db: str) -> None:
+        """ALTER TABLE db.table RENAME TO new_db.table, as another engine sends it: through
+        the metastore client of this session (Spark itself refuses a rename across
+        databases), so the hook records it as it would any engine's."""
+        jvm = self.spark.sparkContext._jvm
+        client = self.spark._jsparkSession.sharedState().externalCatalog().unwrapped().client()
+        moved = client.getRawHiveTable(db, table).rawTable().getTTable().deepCopy()
+        moved.setDbName(new_db)
+        jvm.org.apache.hadoop.hive.ql.metadata.Hive.get(client.conf()).getMSC().alter_table(
+            db, table, moved
+        )
+        self.spark.catalog.clearCache()
+
     def dump(self, scope: str, from_id: int | None = None, **kw: Any) -> tuple[str, Header]:
         db, _, table = scope.partition(".")
         return dump(self.daemon.client, db, table or None, str(self.base / "dumps"), from_id,

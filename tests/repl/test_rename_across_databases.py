@@ -15,18 +15,6 @@ from tests.repl.conftest import Destination, Source
 pytestmark = pytest.mark.timeout(900)
 
 
-def _rename_across(source: Source, db: str, table: str, new_db: str) -> None:
-    """ALTER TABLE db.table RENAME TO new_db.table, as another engine sends it."""
-    jvm = source.spark.sparkContext._jvm
-    client = source.spark._jsparkSession.sharedState().externalCatalog().unwrapped().client()
-    moved = client.getRawHiveTable(db, table).rawTable().getTTable().deepCopy()
-    moved.setDbName(new_db)
-    jvm.org.apache.hadoop.hive.ql.metadata.Hive.get(client.conf()).getMSC().alter_table(
-        db, table, moved
-    )
-    source.spark.catalog.clearCache()
-
-
 def test_a_rename_across_databases_replicates(source: Source, destination: Destination) -> None:
     start = source.daemon.current()
     for db in ("xa", "xb"):
@@ -41,8 +29,8 @@ def test_a_rename_across_databases_replicates(source: Source, destination: Desti
     url_a, ha = source.dump("xa", from_id=start)
     url_b, hb = source.dump("xb", from_id=start)
 
-    _rename_across(source, "xa", "t", "xb")
-    _rename_across(source, "xa", "p", "xb")
+    source.rename_across("xa", "t", "xb")
+    source.rename_across("xa", "p", "xb")
     source.sql("INSERT INTO xb.t VALUES (3)")
     assert source.rows("SHOW TABLES IN xa") == []
     url_a2, ha2 = source.dump("xa", from_id=ha.last_event_id)
