@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
+from queue import SimpleQueue
 from typing import Any
 
 from cmroot import checksum as cks
@@ -200,14 +201,27 @@ class _Statement:
 
 @dataclass
 class _Ahead:
-    """One prepared part's objects being published by the background publisher while its
-    statement runs. `published`: the files (by seq) whose object is in place; `flushed`:
-    every one of them, and the whole part, is durable (syncfs after the last link)."""
+    """One prepared part's objects, published by the background publisher as its files
+    are staged and while its statement goes on. The part's staging feeds `queue` each
+    file it staged with whether its object must be a private copy, then None.
+    `published`: the files (by seq) whose object is in place; `flushed`: every one of
+    them, and the whole part, is durable (syncfs after the last link)."""
 
     items: list[Item]
+    first: bool  # the transaction's first part: with it, this process prepared them all
+    queue: SimpleQueue[tuple[Item, bool] | None] = field(default_factory=SimpleQueue)
     published: set[int] = field(default_factory=set)
     flushed: bool = False
+    stopped: bool = False  # the part failed: publish nothing more
     future: Future[None] | None = None
+
+    def stop(self) -> None:
+        """Stop the publisher and wait for the file it may be publishing: what a rollback
+        then finds on disk stays put while it works."""
+        self.stopped = True
+        self.queue.put(None)
+        if self.future is not None and not self.future.cancel():
+            wait([self.future])
 
 
 @dataclass
@@ -390,11 +404,11 @@ class Recycler:
     # -- stage, hash, publish -------------------------------------------------------------
     def _stage_all(
         self, txid: str, items: list[Item], sessions: Sessions, progress: Progress | None,
-        publish: bool,
+        publish: bool, ahead: _Ahead | None = None,
     ) -> None:
-        """Stage, hash and (with `publish`) publish every file, a few threads at once.
-        Work is handed out in batches: per-file task overhead would otherwise rival the
-        work on small files."""
+        """Stage, hash and (with `publish`) publish every file, a few threads at once, or
+        hand each staged file to `ahead`'s publisher. Work is handed out in batches:
+        per-file task overhead would otherwise rival the work on small files."""
         failed = threading.Event()
         done = 0
         done_lock = threading.Lock()
@@ -405,7 +419,7 @@ class Recycler:
                 if failed.is_set():
                     return
                 try:
-                    self._stage(txid, it, sessions, publish)
+                    self._stage(txid, it, sessions, publish, ahead)
                 except BaseException:
                     failed.set()
                     raise
@@ -429,7 +443,9 @@ class Recycler:
         for f in futures:
             f.result()
 
-    def _stage(self, txid: str, it: Item, sessions: Sessions, publish: bool) -> None:
+    def _stage(
+        self, txid: str, it: Item, sessions: Sessions, publish: bool, ahead: _Ahead | None
+    ) -> None:
         session = sessions.open(it.root)
         if it.method == Method.RENAME:
             try:
@@ -449,17 +465,22 @@ class Recycler:
             st = os.lstat(it.staged)
             it.size = st.st_size
         if publish:
-            self._publish(txid, it, st.st_nlink)
-        elif st.st_nlink > 1:
+            self._publish(txid, it, needs_private(it.staged, st.st_nlink))
+            return
+        if st.st_nlink > 1:
             # Prepared: copy a hard-linked file's bytes now, while they are the ones just
             # hashed, not at commit, after the statement's other names may have changed.
             self.objects.private_copy(it.staged, it.checksum)
+        if ahead is not None:
+            # With one name, the staged one in our private staging area, nobody can give
+            # it another: its object stays the staged inode. With more, the copy just made.
+            ahead.queue.put((it, st.st_nlink > 1))
 
-    def _publish(self, txid: str, it: Item, nlink: int) -> bool:
-        """Publish one file's object; True if this made it (False: deduplicated)."""
+    def _publish(self, txid: str, it: Item, private: bool) -> bool:
+        """Publish one file's object (`private`: a copy of its bytes, not its inode); True
+        if this made it (False: deduplicated)."""
         assert it.checksum is not None
-        made = self.objects.publish(txid, it.checksum, it.staged,
-                                    private=needs_private(it.staged, nlink))
+        made = self.objects.publish(txid, it.checksum, it.staged, private=private)
         faults.point("recycle.file_published")
         return made
 
@@ -497,7 +518,7 @@ class Recycler:
             req, mode, items, dirs = self._plan(req, new, 0)
             with self._tx_lock(new):
                 self._stage_prepared(
-                    new, req, items, until, progress,
+                    new, req, items, until, progress, True,
                     lambda: self.journal.begin(new, self.clock(), mode, req.to_json(), dirs,
                                                items),
                     lambda: [],
@@ -537,7 +558,8 @@ class Recycler:
                 ):
                     raise self._gone(joined)
 
-            self._stage_prepared(joined, merged, items, until, progress, join, earlier)
+            self._stage_prepared(joined, merged, items, until, progress, False, join,
+                                 earlier)
             statement.add(merged, ((it.seq, it.root, it.rel, it.key) for it in items))
             self._statements[joined] = statement
             return Prepared.of(joined, items, until, len(statement.keys))
@@ -559,43 +581,53 @@ class Recycler:
 
     def _stage_prepared(
         self, txid: str, req: RecycleRequest, items: list[Item], until: float,
-        progress: Progress | None, record: Callable[[], None],
+        progress: Progress | None, first: bool, record: Callable[[], None],
         earlier: Callable[[], list[Item]],
     ) -> None:
         """`record` the new part in the journal, stage and hash it, then mark the whole
         transaction prepared; any failure rolls back every part (`earlier` lists the files
-        of the parts before this one)."""
+        of the parts before this one). The background publisher links each file's object
+        as soon as it is staged: by the end of a statement's prepare most of its objects
+        are in place, and a commit that follows at once (a Hive overwrite's) waits for
+        little more than the flush."""
+        ahead = _Ahead(items, first)
         try:
             record()
+            ahead.future = self._publisher.submit(self._publish_ahead, txid, ahead)
             with self.journal.sessions() as sessions:
-                self._stage_all(txid, items, sessions, progress, publish=False)
+                self._stage_all(txid, items, sessions, progress, publish=False, ahead=ahead)
             self.index.journal_prepared(
                 txid, until, ((it.seq, it.checksum or "", it.size, it.ident) for it in items)
             )
         except faults.Crash:
+            ahead.stop()  # as if the process died here: its publisher dies with it
             raise
         except BaseException as e:
+            # What was published is undone by the rollback, as after a one-phase recycle
+            # that failed midway.
+            ahead.stop()
             self._abort(txid, req, lambda: [*earlier(), *items], self.clock(), e)
             raise
-        faults.point("recycle.prepared")
-        ahead = _Ahead(items)
-        ahead.future = self._publisher.submit(self._publish_ahead, txid, ahead)
+        ahead.queue.put(None)
         self._ahead.setdefault(txid, []).append(ahead)
+        faults.point("recycle.prepared")
 
     def _publish_ahead(self, txid: str, ahead: _Ahead) -> None:
-        """Publish a prepared part's objects and flush them while its statement goes on
-        (its metastore transaction, its job commit), so that the commit only records.
-        Nothing here is final: the objects are claimed, no entry names them, and a
-        rollback removes them as it would a failed commit's. A failure only leaves the
-        rest to the commit, which reports it."""
+        """Publish a prepared part's objects as its staging hands them over, and flush
+        them while its statement goes on (its metastore transaction, its job commit), so
+        that the commit only records. Nothing here is final: the objects are claimed, no
+        entry names them, and a rollback removes them as it would a failed commit's. A
+        failure only leaves the rest to the commit, which reports it."""
         try:
-            for it in ahead.items:
+            while (got := ahead.queue.get()) is not None and not ahead.stopped:
+                it, private = got
                 # Only an object this made is settled: one deduplicated against is compared
                 # again by the commit (it may rot meanwhile, and the commit drops our copy).
-                if self._publish(txid, it, os.lstat(it.staged).st_nlink):
+                if self._publish(txid, it, private):
                     ahead.published.add(it.seq)
-            sync_filesystem(self.layout.root)
-            ahead.flushed = True
+            if not ahead.stopped:
+                sync_filesystem(self.layout.root)
+                ahead.flushed = True
         except Exception as e:
             log.debug("objects not published ahead; the commit will",
                       extra={"txid": txid, "error": str(e)})
@@ -612,9 +644,12 @@ class Recycler:
                     [RecycledFile(f["path"], f["checksum"], f["size"]) for f in files],
                     again=True,
                 )
-            tx = self._prepared(txid)
-            items = self.journal.items_of(tx)
             ahead = self._ahead.pop(txid, [])
+            # Every part prepared since this process started: its files are in memory as
+            # the journal has them; otherwise (a restart between parts) the journal's.
+            whole = bool(ahead) and ahead[0].first
+            tx = self._prepared(txid, rows=not whole)
+            items = [it for a in ahead for it in a.items] if whole else self.journal.items_of(tx)
             done = {seq for a in ahead for seq in a.published}
 
             def publish() -> bool:
@@ -625,7 +660,8 @@ class Recycler:
                     # published ahead before a restart (claims live in memory) meanwhile.
                     self.objects.claim(txid, it.checksum or "")
                     if self.journal.observe(it) != FileState.PUBLISHED:
-                        self._publish(txid, it, os.lstat(it.staged).st_nlink)
+                        nlink = os.lstat(it.staged).st_nlink
+                        self._publish(txid, it, needs_private(it.staged, nlink))
                 return len(done) < len(items) or not all(a.flushed for a in ahead)
 
             return self._complete(txid, RecycleRequest.from_json(tx.request), Mode(tx.mode),
