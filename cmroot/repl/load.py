@@ -574,11 +574,12 @@ class Loader:
         new = _known(e.table_obj, e)
         if new is None:
             return
-        old_name, new_name = (e.table or "").lower(), str(new.get("table") or e.table).lower()
-        old_db, new_db = (e.db or "").lower(), str(new.get("db") or e.db or "").lower()
-        if self.table is None and new_db != old_db:
-            self._across(e, new, new_db, new_name)
-            return
+        old_name = new_name = (e.table or "").lower()
+        if (moved := e.renamed()) is not None:
+            (old_db, old_name), (new_db, new_name) = moved
+            if self.table is None and new_db != old_db:
+                self._across(e, new, new_db, new_name)
+                return
         self._defs[new_name] = new
         dst = self._dst_table(e)
         if self.table is None and new_name != old_name:
