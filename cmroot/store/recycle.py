@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
-from queue import SimpleQueue
 from typing import Any
 
 from cmroot import checksum as cks
@@ -201,27 +200,18 @@ class _Statement:
 
 @dataclass
 class _Ahead:
-    """One prepared part's objects, published by the background publisher as its files
-    are staged and while its statement goes on. The part's staging feeds `queue` each
-    file it staged with whether its object must be a private copy, then None.
-    `published`: the files (by seq) whose object is in place; `flushed`: every one of
-    them, and the whole part, is durable (syncfs after the last link)."""
+    """One prepared part's objects, published by the background publisher once the part is
+    prepared, while its statement goes on. `private`: the files (by seq) whose object must
+    be a copy of their bytes (other names at prepare; the copy was made then).
+    `published`: the files whose object is in place; `flushed`: every one of them, and the
+    whole part, is durable (syncfs after the last link)."""
 
     items: list[Item]
     first: bool  # the transaction's first part: with it, this process prepared them all
-    queue: SimpleQueue[tuple[Item, bool] | None] = field(default_factory=SimpleQueue)
+    private: set[int] = field(default_factory=set)
     published: set[int] = field(default_factory=set)
     flushed: bool = False
-    stopped: bool = False  # the part failed: publish nothing more
     future: Future[None] | None = None
-
-    def stop(self) -> None:
-        """Stop the publisher and wait for the file it may be publishing: what a rollback
-        then finds on disk stays put while it works."""
-        self.stopped = True
-        self.queue.put(None)
-        if self.future is not None and not self.future.cancel():
-            wait([self.future])
 
 
 @dataclass
@@ -406,9 +396,10 @@ class Recycler:
         self, txid: str, items: list[Item], sessions: Sessions, progress: Progress | None,
         publish: bool, ahead: _Ahead | None = None,
     ) -> None:
-        """Stage, hash and (with `publish`) publish every file, a few threads at once, or
-        hand each staged file to `ahead`'s publisher. Work is handed out in batches:
-        per-file task overhead would otherwise rival the work on small files."""
+        """Stage, hash and (with `publish`) publish every file, a few threads at once
+        (`ahead`: the prepared part, told which files need a private object). Work is
+        handed out in batches: per-file task overhead would otherwise rival the work on
+        small files."""
         failed = threading.Event()
         done = 0
         done_lock = threading.Lock()
@@ -466,15 +457,12 @@ class Recycler:
             it.size = st.st_size
         if publish:
             self._publish(txid, it, needs_private(it.staged, st.st_nlink))
-            return
-        if st.st_nlink > 1:
+        elif st.st_nlink > 1:
             # Prepared: copy a hard-linked file's bytes now, while they are the ones just
             # hashed, not at commit, after the statement's other names may have changed.
             self.objects.private_copy(it.staged, it.checksum)
-        if ahead is not None:
-            # With one name, the staged one in our private staging area, nobody can give
-            # it another: its object stays the staged inode. With more, the copy just made.
-            ahead.queue.put((it, st.st_nlink > 1))
+            if ahead is not None:
+                ahead.private.add(it.seq)
 
     def _publish(self, txid: str, it: Item, private: bool) -> bool:
         """Publish one file's object (`private`: a copy of its bytes, not its inode); True
@@ -586,48 +574,45 @@ class Recycler:
     ) -> None:
         """`record` the new part in the journal, stage and hash it, then mark the whole
         transaction prepared; any failure rolls back every part (`earlier` lists the files
-        of the parts before this one). The background publisher links each file's object
-        as soon as it is staged: by the end of a statement's prepare most of its objects
-        are in place, and a commit that follows at once (a Hive overwrite's) waits for
-        little more than the flush."""
+        of the parts before this one). Then the background publisher links the part's
+        objects while the statement goes on."""
         ahead = _Ahead(items, first)
         try:
             record()
-            ahead.future = self._publisher.submit(self._publish_ahead, txid, ahead)
             with self.journal.sessions() as sessions:
                 self._stage_all(txid, items, sessions, progress, publish=False, ahead=ahead)
             self.index.journal_prepared(
                 txid, until, ((it.seq, it.checksum or "", it.size, it.ident) for it in items)
             )
         except faults.Crash:
-            ahead.stop()  # as if the process died here: its publisher dies with it
             raise
         except BaseException as e:
-            # What was published is undone by the rollback, as after a one-phase recycle
-            # that failed midway.
-            ahead.stop()
             self._abort(txid, req, lambda: [*earlier(), *items], self.clock(), e)
             raise
-        ahead.queue.put(None)
-        self._ahead.setdefault(txid, []).append(ahead)
         faults.point("recycle.prepared")
+        # Only now: an object published before its checksum is journaled could not be
+        # found again by a recovery after a crash (if a straggler writer changed the file
+        # meanwhile, it would stay behind, sharing the warehouse file's inode).
+        ahead.future = self._publisher.submit(self._publish_ahead, txid, ahead)
+        self._ahead.setdefault(txid, []).append(ahead)
 
     def _publish_ahead(self, txid: str, ahead: _Ahead) -> None:
-        """Publish a prepared part's objects as its staging hands them over, and flush
-        them while its statement goes on (its metastore transaction, its job commit), so
-        that the commit only records. Nothing here is final: the objects are claimed, no
-        entry names them, and a rollback removes them as it would a failed commit's. A
-        failure only leaves the rest to the commit, which reports it."""
+        """Publish a prepared part's objects and flush them while its statement goes on
+        (its metastore transaction, its job commit), so that the commit only records.
+        Nothing here is final: the objects are claimed, no entry names them, and a
+        rollback removes them as it would a failed commit's. A failure only leaves the
+        rest to the commit, which reports it."""
         try:
-            while (got := ahead.queue.get()) is not None and not ahead.stopped:
-                it, private = got
-                # Only an object this made is settled: one deduplicated against is compared
-                # again by the commit (it may rot meanwhile, and the commit drops our copy).
-                if self._publish(txid, it, private):
+            for it in ahead.items:
+                # A file with one name at prepare (the staged one, in our private staging
+                # area, where nobody can give it another) is published as its inode; one
+                # with more as the copy the prepare made. Only an object this made is
+                # settled: one deduplicated against is compared again by the commit (it
+                # may rot meanwhile, and the commit drops our copy).
+                if self._publish(txid, it, it.seq in ahead.private):
                     ahead.published.add(it.seq)
-            if not ahead.stopped:
-                sync_filesystem(self.layout.root)
-                ahead.flushed = True
+            sync_filesystem(self.layout.root)
+            ahead.flushed = True
         except Exception as e:
             log.debug("objects not published ahead; the commit will",
                       extra={"txid": txid, "error": str(e)})
