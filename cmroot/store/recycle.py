@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 _BATCH = 64  # files per task handed to a staging thread
 _PARALLEL_MIN_SIZE = 1 << 20  # mean file size from which staging uses several threads
+_PARALLEL_MIN_FILES = 256  # files from which a prepare's staging uses several threads
 Progress = Callable[[int, int], None]
 
 
@@ -419,10 +420,14 @@ class Recycler:
                     done += len(chunk)
                     progress(done, len(items))
 
-        # Small files are GIL-bound: threads only contend for it (measured 1.6x slower on
-        # 64 KiB files). Large ones are hashed with the GIL released, so threads pay.
+        # Small files published on the way are GIL-bound: threads only contend for it
+        # (measured 1.6x slower on 64 KiB files). Large ones are hashed with the GIL
+        # released, so threads pay; so do a prepare's renames and reads of many small
+        # ones, which publishes nothing (2,000 x 64 KiB: 10% faster in-process, the
+        # prepare of a Spark statement 0.16 -> 0.12 s, 2 cores).
         total = sum(it.size for it in items)
-        workers = self.workers if total >= _PARALLEL_MIN_SIZE * max(1, len(items)) else 1
+        many = ahead is not None and len(items) >= _PARALLEL_MIN_FILES
+        workers = self.workers if many or total >= _PARALLEL_MIN_SIZE * max(1, len(items)) else 1
         size = max(1, min(_BATCH, len(items) // (workers * 4) or 1))
         chunks = [items[i : i + size] for i in range(0, len(items), size)]
         if workers == 1:

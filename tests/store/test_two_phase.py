@@ -289,3 +289,121 @@ def test_sigkill_anywhere_in_a_two_phase_recycle(tmp_path: Path, point: str) -> 
         assert store.events() == []
     finally:
         store.close()
+
+
+# -- a prepare of many small files is staged by several threads ----------------------------
+
+MANY = 2 * 160  # over the part size from which a prepare stages on several threads
+
+
+def _many(env: Env) -> tuple[Path, dict[str, bytes]]:
+    files = make_table(env.warehouse, "db", "t", [{"p": "0"}, {"p": "1"}],
+                       files_per_partition=MANY // 2, size=(10, 300))
+    return table_dir(env.warehouse, "db", "t"), files
+
+
+def _drop(tdir: Path) -> RecycleRequest:
+    return RecycleRequest(paths=[str(tdir)], op="DROP_TABLE", db="db", table="t")
+
+
+def test_a_failure_inside_a_threaded_prepare_rolls_back_every_file(
+    env: Env, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prepare of 320 small files (staged by several threads) fails at its 150th file
+    (the disk fills): every file is back, nothing staged, published or recorded."""
+    import errno
+    import threading
+
+    from cmroot import faults
+
+    tdir, files = _many(env)
+    before = snapshot(env)
+    threads: set[str] = set()
+    seen = {"n": 0}
+    lock = threading.Lock()
+    real = faults.point
+
+    def point(name: str) -> None:
+        if name == "recycle.file_staged":
+            with lock:
+                threads.add(threading.current_thread().name)
+                seen["n"] += 1
+                n = seen["n"]
+            if n == 150:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        real(name)
+
+    monkeypatch.setattr(faults, "point", point)
+    with pytest.raises(CmrootError, match="out of space"):
+        store.prepare(_drop(tdir))
+    monkeypatch.undo()
+    assert len(threads) > 1, threads
+    _untouched(env, before, files)
+    assert store.events() == []
+
+
+def test_a_threaded_prepare_keeps_a_hard_linked_files_bytes(env: Env, store: Store) -> None:
+    """Among 320 small files staged by several threads, one has another name in another
+    table. After the commit that table rewrites it through its own name: the recycled
+    bytes are still served for (path, old checksum), and no object shares an inode with
+    a warehouse file."""
+    tdir, files = _many(env)
+    linked = sorted(files)[MANY // 2]
+    other = env.warehouse / "db.db" / "u" / "g"
+    other.parent.mkdir(parents=True)
+    os.link(linked, other)
+    p = store.prepare(_drop(tdir))
+    res = store.commit(p.txid)
+    assert {f.path for f in res.files} == set(files)
+    with open(other, "r+b") as fh:
+        fh.write(b"u's own later write")
+    for path, data in files.items():
+        with store.open_verified(path, cks.of_bytes(data)) as v:
+            assert os.pread(v.fd, len(data) + 1, 0) == data, path
+    inodes = {(os.stat(p).st_dev, os.stat(p).st_ino) for p in object_files(env)}
+    assert (os.stat(other).st_dev, os.stat(other).st_ino) not in inodes
+    assert os.listdir(env.staging_dir) == []
+
+
+CHILD_MANY = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+args = json.loads(sys.argv[2])
+from cmroot import config
+from cmroot.store import RecycleRequest, Store
+
+store = Store.open(config.load(None, env=args["env"]))
+store.prepare(RecycleRequest(paths=[args["table"]], op="DROP_TABLE", db="db", table="t"),
+              lease=600)
+store.close()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_inside_a_threaded_prepare_puts_every_file_back(tmp_path: Path) -> None:
+    """kill -9 while several threads stage a 320-file prepare (at its 150th file): after
+    a restart every file is back, nothing staged, published or recorded."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from cmroot_testlib import Clock
+
+    e = Env(base=tmp_path, warehouse=tmp_path / "wh", store_root=tmp_path / "cmroot",
+            outside=tmp_path / "outside", clock=Clock())
+    e.warehouse.mkdir(parents=True)
+    tdir, files = _many(e)
+    before = snapshot(e)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD_MANY, REPO, json.dumps({"env": e.env(), "table": str(tdir)})],
+        env={**os.environ, "CMROOT_FAULTS": "recycle.file_staged@150"}, capture_output=True,
+        text=True, timeout=60,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    store = e.open()
+    try:
+        _untouched(e, before, files)
+        assert store.events() == []
+    finally:
+        store.close()
