@@ -434,10 +434,15 @@ class Recycler:
             for chunk in chunks:  # no thread hand-off for GIL-bound work
                 batch(chunk)
             return
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = [pool.submit(batch, chunk) for chunk in chunks]
-        for f in futures:
-            f.result()
+        pool = ThreadPoolExecutor(max_workers=workers)
+        try:
+            for f in [pool.submit(batch, chunk) for chunk in chunks]:
+                f.result()
+        except BaseException:
+            failed.set()  # the other threads stop at their next file
+            raise
+        finally:
+            _join(pool, failed)
 
     def _stage(
         self, txid: str, it: Item, sessions: Sessions, publish: bool, ahead: _Ahead | None
@@ -897,6 +902,23 @@ def _merge(first: RecycleRequest, more: RecycleRequest) -> RecycleRequest:
 _CHANGED = frozenset(
     {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ESTALE, errno.ENXIO}
 )
+
+
+def _join(pool: ThreadPoolExecutor, failed: threading.Event) -> None:
+    """Wait until every staging thread of `pool` has stopped, through interrupts too (a
+    Ctrl-C of an in-process caller lands in the waiting thread): the rollback that follows
+    a failure must never run while a thread still moves a file. An interrupt received
+    meanwhile is raised once they have."""
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            pool.shutdown(wait=True, cancel_futures=True)
+            break
+        except BaseException as e:
+            failed.set()
+            interrupted = interrupted or e
+    if interrupted is not None:
+        raise interrupted
 
 
 def _out_of_space(e: BaseException) -> bool:
