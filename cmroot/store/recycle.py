@@ -247,7 +247,7 @@ class Recycler:
         def stage() -> bool:
             self.journal.begin(txid, now, mode, req.to_json(), dirs, items)
             with self.journal.sessions() as sessions:
-                self._stage_all(txid, items, sessions, progress, publish=True)
+                self._stage_all(txid, items, sessions, progress)
             faults.point("recycle.staged")
             return True
 
@@ -395,12 +395,12 @@ class Recycler:
     # -- stage, hash, publish -------------------------------------------------------------
     def _stage_all(
         self, txid: str, items: list[Item], sessions: Sessions, progress: Progress | None,
-        publish: bool, ahead: _Ahead | None = None,
+        ahead: _Ahead | None = None,
     ) -> None:
-        """Stage, hash and (with `publish`) publish every file, a few threads at once
-        (`ahead`: the prepared part, told which files need a private object). Work is
-        handed out in batches: per-file task overhead would otherwise rival the work on
-        small files."""
+        """Stage, hash and publish every file, a few threads at once; preparing (`ahead`,
+        the prepared part), stage and hash only, and tell `ahead` which files need a
+        private object. Work is handed out in batches: per-file task overhead would
+        otherwise rival the work on small files."""
         failed = threading.Event()
         done = 0
         done_lock = threading.Lock()
@@ -411,7 +411,7 @@ class Recycler:
                 if failed.is_set():
                     return
                 try:
-                    self._stage(txid, it, sessions, publish, ahead)
+                    self._stage(txid, it, sessions, ahead)
                 except BaseException:
                     failed.set()
                     raise
@@ -444,9 +444,7 @@ class Recycler:
         finally:
             _join(pool, failed)
 
-    def _stage(
-        self, txid: str, it: Item, sessions: Sessions, publish: bool, ahead: _Ahead | None
-    ) -> None:
+    def _stage(self, txid: str, it: Item, sessions: Sessions, ahead: _Ahead | None) -> None:
         session = sessions.open(it.root)
         if it.method == Method.RENAME:
             try:
@@ -465,14 +463,13 @@ class Recycler:
             it.checksum, it.ident = session.copy_out(it.rel, it.staged)
             st = os.lstat(it.staged)
             it.size = st.st_size
-        if publish:
+        if ahead is None:
             self._publish(txid, it, needs_private(it.staged, st.st_nlink))
         elif st.st_nlink > 1:
             # Prepared: copy a hard-linked file's bytes now, while they are the ones just
             # hashed, not at commit, after the statement's other names may have changed.
             self.objects.private_copy(it.staged, it.checksum)
-            if ahead is not None:
-                ahead.private.add(it.seq)
+            ahead.private.add(it.seq)
 
     def _publish(self, txid: str, it: Item, private: bool) -> bool:
         """Publish one file's object (`private`: a copy of its bytes, not its inode); True
@@ -590,7 +587,7 @@ class Recycler:
         try:
             record()
             with self.journal.sessions() as sessions:
-                self._stage_all(txid, items, sessions, progress, publish=False, ahead=ahead)
+                self._stage_all(txid, items, sessions, progress, ahead)
             self.index.journal_prepared(
                 txid, until, ((it.seq, it.checksum or "", it.size, it.ident) for it in items)
             )
