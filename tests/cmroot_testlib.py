@@ -197,6 +197,33 @@ def object_files(env: Env) -> list[Path]:
     return sorted(p for p in env.objects_dir.rglob("*") if p.is_file())
 
 
+def tables_of(
+    env: Env, names: Sequence[str], contents: Sequence[bytes]
+) -> dict[str, dict[str, bytes]]:
+    """Tables db.<name>, each holding one file `part-<i>` per content (the same bytes in
+    every table): {table: {path: bytes}}."""
+    out: dict[str, dict[str, bytes]] = {}
+    for name in names:
+        d = env.warehouse / "db.db" / name
+        d.mkdir(parents=True)
+        out[name] = {}
+        for i, data in enumerate(contents):
+            (d / f"part-{i}").write_bytes(data)
+            out[name][str(d / f"part-{i}")] = data
+    return out
+
+
+def objects_sharing_inodes(env: Env) -> list[Path]:
+    """Store objects that are hard links of a warehouse file (a write there would change
+    them): always a bug."""
+    wh = set()
+    for dirpath, _, names in os.walk(env.warehouse):
+        for n in names:
+            st = os.lstat(os.path.join(dirpath, n))
+            wh.add((st.st_dev, st.st_ino))
+    return [p for p in object_files(env) if (os.stat(p).st_dev, os.stat(p).st_ino) in wh]
+
+
 def assert_objects_match_names(env: Env) -> None:
     """Invariant 3 on disk: every object's bytes hash to its name, at its sharded path."""
     for p in object_files(env):

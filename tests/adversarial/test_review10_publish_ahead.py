@@ -28,7 +28,15 @@ import time
 from pathlib import Path
 
 import pytest
-from cmroot_testlib import Clock, Env, object_files, on_point, snapshot
+from cmroot_testlib import (
+    Clock,
+    Env,
+    object_files,
+    objects_sharing_inodes,
+    on_point,
+    snapshot,
+    tables_of,
+)
 
 from cmroot import checksum as cks
 from cmroot import faults
@@ -39,37 +47,12 @@ from cmroot.vocab import FileState
 REPO = str(Path(__file__).resolve().parents[2])
 
 
-def _tables(env: Env, names: tuple[str, ...], contents: list[bytes]) -> dict[str, dict[str, bytes]]:
-    """Tables db.<name>, each holding one file per content (the same bytes in every
-    table): {table: {path: bytes}}."""
-    out: dict[str, dict[str, bytes]] = {}
-    for name in names:
-        d = env.warehouse / "db.db" / name
-        d.mkdir(parents=True)
-        out[name] = {}
-        for i, data in enumerate(contents):
-            (d / f"part-{i}").write_bytes(data)
-            out[name][str(d / f"part-{i}")] = data
-    return out
-
 
 def _drop(env: Env, name: str) -> RecycleRequest:
     return RecycleRequest([str(env.warehouse / "db.db" / name)], op="DROP_TABLE", db="db",
                           table=name)
 
 
-def _inodes(root: Path) -> set[tuple[int, int]]:
-    out = set()
-    for dirpath, _, names in os.walk(root):
-        for n in names:
-            st = os.lstat(os.path.join(dirpath, n))
-            out.add((st.st_dev, st.st_ino))
-    return out
-
-
-def _shares_inode(env: Env) -> list[Path]:
-    wh = _inodes(env.warehouse)
-    return [p for p in object_files(env) if (os.stat(p).st_dev, os.stat(p).st_ino) in wh]
 
 
 # -- 1. deduplication between two prepared statements -----------------------------------
@@ -97,7 +80,7 @@ def test_two_statements_of_identical_bytes_both_rolled_back_leave_no_object(
     discarded), made common by Recycler._publish_ahead (objects now exist for the whole
     statement, not just inside a commit)."""
     contents = [os.urandom(700), os.urandom(900)]
-    tables = _tables(env, ("t", "u"), contents)
+    tables = tables_of(env, ("t", "u"), contents)
     before = snapshot(env)
     a = store.prepare(_drop(env, "t"), lease=60)
     b = store.prepare(_drop(env, "u"), lease=600)
@@ -184,7 +167,7 @@ def test_fsck_leaves_a_prepared_transactions_objects_alone(env: Env) -> None:
     transactions are not known to it; before caea196 they did not exist until the
     commit), with Recycler._publish_ahead."""
     data = os.urandom(2048)
-    tables = _tables(env, ("t",), [data])
+    tables = tables_of(env, ("t",), [data])
     before = snapshot(env)
     store = env.open()
     p = store.prepare(_drop(env, "t"), lease=600)
@@ -226,7 +209,7 @@ def test_a_sweep_between_observe_and_claim_loses_a_committed_file(env: Env) -> N
     Responsible: cmroot/store/recycle.py Recycler.commit (observe, then claim: the
     claim must be taken first, or the object re-checked after it)."""
     data = os.urandom(4096)
-    tables = _tables(env, ("t", "u"), [data])
+    tables = tables_of(env, ("t", "u"), [data])
     c = cks.of_bytes(data)
     store = env.open(CMROOT_STORE_RETAIN="1h")
     s = store.prepare(_drop(env, "t"), lease=7200)
@@ -277,7 +260,7 @@ def test_an_object_corrupted_after_the_publish_ahead_is_healed_by_the_commit(
     made a whole statement earlier; it should re-check what it skips, e.g. same inode
     or a size/hash check, and fall back to `_publish`)."""
     data = os.urandom(4096)
-    tables = _tables(env, ("t", "u"), [data])
+    tables = tables_of(env, ("t", "u"), [data])
     c = cks.of_bytes(data)
     store.recycle(_drop(env, "u"))
     s = store.prepare(_drop(env, "t"), lease=600)
@@ -361,7 +344,7 @@ def test_a_displaced_hard_linked_file_kept_in_the_store_shares_no_warehouse_inod
     p = store.prepare(_drop(env, "t"), lease=600)
     (t / "f").write_bytes(b"the statement's new file")
     assert store.abort(p.txid) == [str(t / "f")]
-    shared = _shares_inode(env)
+    shared = objects_sharing_inodes(env)
     assert shared == [], f"store object(s) share the inode of a warehouse file: {shared}"
     with open(u / "g", "r+b") as fh:  # the other table's legitimate write
         fh.write(b"Y" * 10)
@@ -411,7 +394,7 @@ def test_guard_kill_9_in_the_publish_ahead_of_deduplicating_statements(
     e.warehouse.mkdir(parents=True)
     e.outside.mkdir()
     contents = [os.urandom(500), os.urandom(600)]
-    tables = _tables(e, ("t", "u"), contents)
+    tables = tables_of(e, ("t", "u"), contents)
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, REPO,
          json.dumps({"env": e.env(), "db": str(e.warehouse / "db.db")})],
@@ -439,7 +422,7 @@ def test_guard_kill_9_in_the_publish_ahead_of_deduplicating_statements(
                 assert os.pread(v.fd, len(data) + 1, 0) == data
         assert sorted(p.name for p in object_files(e)) == sorted(
             cks.of_bytes(x) for x in contents)
-        assert _shares_inode(e) == []
+        assert objects_sharing_inodes(e) == []
         assert os.listdir(e.staging_dir) == []
         assert [r.status for r in store.resolve(
             [{"path": p, "checksum": cks.of_bytes(x)} for p, x in tables["t"].items()]
@@ -457,7 +440,7 @@ def test_guard_commit_and_abort_racing_the_publish_ahead_do_not_hang(
     locks (waiting for the publish inside them). Everything completes, A is committed and served,
     B's files are back, and nothing is served for B's paths."""
     contents = [os.urandom(800)]
-    tables = _tables(env, ("t", "u"), contents)
+    tables = tables_of(env, ("t", "u"), contents)
     release = threading.Event()
     held = threading.Event()
     real = faults.point
@@ -507,4 +490,4 @@ def test_guard_commit_and_abort_racing_the_publish_ahead_do_not_hang(
     for path, data in tables["t"].items():
         with store.open_verified(path, cks.of_bytes(data)) as v:
             assert os.pread(v.fd, len(data) + 1, 0) == data
-    assert _shares_inode(env) == []
+    assert objects_sharing_inodes(env) == []

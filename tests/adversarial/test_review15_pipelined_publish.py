@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from cmroot_testlib import Clock, Env, object_files
+from cmroot_testlib import Clock, Env, object_files, objects_sharing_inodes, tables_of
 
 from cmroot import checksum as cks
 from cmroot import faults
@@ -40,18 +40,6 @@ HANG = 8.0  # seconds an operation may take before it counts as hung (it takes m
 # -- helpers ------------------------------------------------------------------------------
 
 
-def _tables(env: Env, names: tuple[str, ...], contents: list[bytes]) -> dict[str, dict[str, bytes]]:
-    """Tables db.<name>, each holding one file per content: {table: {path: bytes}}."""
-    out: dict[str, dict[str, bytes]] = {}
-    for name in names:
-        d = env.warehouse / "db.db" / name
-        d.mkdir(parents=True)
-        out[name] = {}
-        for i, data in enumerate(contents):
-            (d / f"part-{i}").write_bytes(data)
-            out[name][str(d / f"part-{i}")] = data
-    return out
-
 
 def _drop(env: Env, name: str, mode: str = "move") -> RecycleRequest:
     return RecycleRequest([str(env.warehouse / "db.db" / name)], mode=mode, op="DROP_TABLE",
@@ -63,18 +51,6 @@ def _part(env: Env, table: str, p: str, mode: str = "move") -> RecycleRequest:
                           op="DROP_PARTITION", db="db", table=table, partitions=[{"p": p}])
 
 
-def _inodes(root: Path) -> set[tuple[int, int]]:
-    out = set()
-    for dirpath, _, names in os.walk(root):
-        for n in names:
-            st = os.lstat(os.path.join(dirpath, n))
-            out.add((st.st_dev, st.st_ino))
-    return out
-
-
-def _shares_inode(env: Env) -> list[str]:
-    wh = _inodes(env.warehouse)
-    return [p.name for p in object_files(env) if (os.stat(p).st_dev, os.stat(p).st_ino) in wh]
 
 
 def _publisher() -> bool:
@@ -106,7 +82,7 @@ def _clean(env: Env, store: Store) -> None:
     """Nothing in staging, no object sharing a warehouse inode, objects match names, fsck
     clean."""
     assert os.listdir(env.staging_dir) == []
-    assert _shares_inode(env) == []
+    assert objects_sharing_inodes(env) == []
     bad = [p.name for p in object_files(env) if cks.of_local_file(str(p)) != p.name]
     assert bad == [], f"objects that do not hash to their name: {bad}"
     report = store.fsck()
@@ -184,7 +160,7 @@ def test_commit_abort_and_expiry_of_other_statements_wait_for_an_unrelated_prepa
     `_publish_ahead` before `_stage_all`: a whole statement's staging now runs inside a
     task of the single-thread publisher) with `_tx_lock`'s wait."""
     contents = [os.urandom(300 + i) for i in range(3)]
-    _tables(env, ("a", "b", "c", "e"), contents)
+    tables_of(env, ("a", "b", "c", "e"), contents)
     for p in ("1", "2"):
         d = env.warehouse / "db.db" / "d" / f"p={p}"
         d.mkdir(parents=True)
@@ -232,7 +208,7 @@ def test_a_renew_sent_in_time_loses_the_statement_while_another_prepare_stages(
     Responsible: cmroot/store/recycle.py Recycler._stage_prepared (publisher held for
     the whole staging of another statement) with `renew` waiting under `_tx_lock`."""
     contents = [os.urandom(400 + i) for i in range(3)]
-    tables = _tables(env, ("a", "b"), contents)
+    tables = tables_of(env, ("a", "b"), contents)
     run_a, a_publishing, release = _held_prepare(env, store, monkeypatch, "a")
     b = store.prepare(_drop(env, "b"), lease=60)
     env.clock.advance(30)
@@ -322,7 +298,7 @@ def test_kill_9_mid_prepare_after_a_straggler_write_leaves_an_object_on_the_ware
             outside=tmp_path / "outside", clock=Clock())
     e.warehouse.mkdir(parents=True)
     e.outside.mkdir()
-    tables = _tables(e, ("t",), [os.urandom(700), os.urandom(800), os.urandom(900)])
+    tables = tables_of(e, ("t",), [os.urandom(700), os.urandom(800), os.urandom(900)])
     first = min(tables["t"])
     proc = subprocess.run(
         [sys.executable, "-c", CHILD_STRAGGLER, REPO,
@@ -336,7 +312,7 @@ def test_kill_9_mid_prepare_after_a_straggler_write_leaves_an_object_on_the_ware
     try:
         assert store.events() == []
         assert all(os.path.exists(p) for p in tables["t"])
-        shared = _shares_inode(e)
+        shared = objects_sharing_inodes(e)
         left = [p.name for p in object_files(e)]
         report = store.fsck()
         assert shared == [], (
@@ -421,7 +397,7 @@ def test_guard_two_statements_of_identical_bytes_one_failing_mid_prepare(
     fails (a later file vanished) and is rolled back; B commits. B's bytes are served,
     A's files are back, one object per content, none on a warehouse inode."""
     contents = [os.urandom(600), os.urandom(700), os.urandom(800)]
-    tables = _tables(env, ("a", "b"), contents)
+    tables = tables_of(env, ("a", "b"), contents)
 
     def fail_a() -> None:
         gone.append(max(p for p in tables["a"] if os.path.exists(p)))
@@ -582,7 +558,7 @@ def test_guard_expiry_of_a_part_whose_publisher_is_queued(
     """Guard. The publisher is held (another task); a statement prepares (its publish
     queued) and its lease passes; the expiry job waits for the publish and then rolls
     it back: files back, no object, nothing staged."""
-    tables = _tables(env, ("t",), [os.urandom(400), os.urandom(500)])
+    tables = tables_of(env, ("t",), [os.urandom(400), os.urandom(500)])
     go = threading.Event()
     store.recycler._publisher.submit(go.wait)
     store.prepare(_drop(env, "t"), lease=5)
@@ -600,7 +576,7 @@ def test_guard_expiry_of_a_part_whose_publisher_is_queued(
 def test_guard_abort_racing_the_queued_publisher(env: Env, store: Store) -> None:
     """Guard. The publisher is held; a statement prepares and aborts in another thread;
     the hold is released: the abort completes, every file back, no object."""
-    tables = _tables(env, ("t",), [os.urandom(400), os.urandom(500)])
+    tables = tables_of(env, ("t",), [os.urandom(400), os.urandom(500)])
     go = threading.Event()
     store.recycler._publisher.submit(go.wait)
     p = store.prepare(_drop(env, "t"), lease=600)
@@ -619,7 +595,7 @@ def test_guard_injected_crash_mid_prepare_then_recovery(
 ) -> None:
     """Guard. An injected crash while staging the 2nd file (hard-linked file included,
     no writer): nothing was published; recovery puts every file back."""
-    tables = _tables(env, ("t",), [os.urandom(400 + i) for i in range(3)])
+    tables = tables_of(env, ("t",), [os.urandom(400 + i) for i in range(3)])
     other = env.warehouse / "db.db" / "u" / "g"
     other.parent.mkdir(parents=True)
     os.link(min(tables["t"]), other)
@@ -678,7 +654,7 @@ def test_guard_kill_9_during_a_prepare_or_its_publish_ahead(
             outside=tmp_path / "outside", clock=Clock())
     e.warehouse.mkdir(parents=True)
     e.outside.mkdir()
-    tables = _tables(e, ("t",), [os.urandom(500 + 100 * i) for i in range(4)])
+    tables = tables_of(e, ("t",), [os.urandom(500 + 100 * i) for i in range(4)])
     other = e.warehouse / "db.db" / "u" / "g"
     other.parent.mkdir(parents=True)
     os.link(sorted(tables["t"])[1], other)
@@ -719,7 +695,7 @@ def test_guard_multithreaded_staging_failing_midway(
     """Guard. Files of over 1 MiB are staged by several threads; one file vanishes
     midway. Everything back, no object, nothing staged."""
     store.recycler.workers = 3
-    tables = _tables(env, ("t",), [os.urandom((1 << 20) + 1000 * i) for i in range(6)])
+    tables = tables_of(env, ("t",), [os.urandom((1 << 20) + 1000 * i) for i in range(6)])
     published = threading.Event()
     gone: list[str] = []
     lock = threading.Lock()
@@ -752,7 +728,7 @@ def test_guard_close_during_a_prepare_waits_for_it_and_loses_nothing(
     """Guard. store.close() while a prepare stages (its publisher waiting on its queue):
     close waits for the prepare rather than hang or cut it; after a restart the prepared
     statement aborts and every file is back, no object left."""
-    tables = _tables(env, ("a",), [os.urandom(500 + i) for i in range(3)])
+    tables = tables_of(env, ("a",), [os.urandom(500 + i) for i in range(3)])
     run_a, _, release = _held_prepare(env, store, monkeypatch, "a")
     close = _Run("close", store.close)
     close.start()
