@@ -65,8 +65,12 @@ class EventLog(Base):
 
     def _insert_event(self, db: sqlite3.Connection, e: Event, txid: str | None = None) -> int:
         meta = None
-        if e.location is not None or e.table_obj is not None:
-            meta = json.dumps({"location": e.location, "tableObj": e.table_obj})
+        if e.location is not None or e.table_obj is not None or e.partition_locations:
+            fields: dict[str, Any] = {"location": e.location}
+            if e.partition_locations:
+                fields["partitionLocations"] = e.partition_locations
+            fields["tableObj"] = e.table_obj
+            meta = json.dumps(fields)
         # `files` is written explicitly: in an index migrated from before version 2 the
         # column is still NOT NULL without a default.
         cur = db.execute(
@@ -201,7 +205,7 @@ class EventLog(Base):
             "SELECT id, meta FROM events WHERE id > ? AND type = 'ALTER_TABLE'"
             " AND meta IS NOT NULL ORDER BY id", (after,)
         ):
-            old, obj = _meta(meta)
+            old, obj, _ = _meta(meta)
             new = (obj or {}).get("location")
             if old and isinstance(new, str) and new.rstrip("/") != old.rstrip("/"):
                 out.append((int(event_id), old.rstrip("/"), new.rstrip("/")))
@@ -286,41 +290,50 @@ def _fill(
 
 
 def _event(r: Sequence[Any], files: list[dict[str, Any]]) -> Event:
-    location, table_obj = _meta(r[8])
+    location, table_obj, partition_locations = _meta(r[8])
     return Event(
         r[0], r[1], r[2], r[3], json.loads(r[4]), r[5], r[6], bool(r[7]), files, location,
-        table_obj,
+        table_obj, partition_locations,
     )
 
 
-class _SplitMeta(msgspec.Struct, rename={"table_obj": "tableObj"}):
+class _SplitMeta(msgspec.Struct, rename={"table_obj": "tableObj",
+                                         "partition_locations": "partitionLocations"}):
     location: Any = None
+    partition_locations: Any = None
     table_obj: msgspec.Raw = msgspec.Raw(b"null")
 
 
 _SPLIT_META = msgspec.json.Decoder(_SplitMeta)
 
 
-def _meta(text: str | None) -> tuple[str | None, dict[str, Any] | None]:
-    """The location and tableObj of a meta column; a tableObj over the limits (or one
-    that cannot be read) comes back as the OMITTED marker."""
+Meta = tuple[str | None, dict[str, Any] | None, list[str | None] | None]
+
+
+def _meta(text: str | None) -> Meta:
+    """The location, tableObj and partition locations of a meta column; a tableObj over
+    the limits (or one that cannot be read) comes back as the OMITTED marker."""
     if text is None:
-        return None, None
+        return None, None, None
     try:
         if len(text) > MAX_TABLE_OBJ:
             # msgspec skips the tableObj as raw bytes: measured without being built.
             split = _SPLIT_META.decode(text)
-            meta: Any = {"location": split.location, "tableObj": split.table_obj}
+            meta: Any = {"location": split.location, "tableObj": split.table_obj,
+                         "partitionLocations": split.partition_locations}
         else:
             meta = json.loads(text)
     except RecursionError:
-        return _location_of(text), _omitted(f"nested over {MAX_TABLE_OBJ_DEPTH} levels deep")
+        return (_location_of(text), _omitted(f"nested over {MAX_TABLE_OBJ_DEPTH} levels deep"),
+                None)
     except (ValueError, msgspec.DecodeError):
-        return _location_of(text), _omitted("its stored JSON cannot be read")
+        return _location_of(text), _omitted("its stored JSON cannot be read"), None
     if not isinstance(meta, dict):
-        return None, _omitted("its stored JSON cannot be read")
+        return None, _omitted("its stored JSON cannot be read"), None
     location = meta.get("location")
-    return location if isinstance(location, str) else None, _table_obj(meta.get("tableObj"))
+    places = meta.get("partitionLocations")
+    return (location if isinstance(location, str) else None, _table_obj(meta.get("tableObj")),
+            places if isinstance(places, list) else None)
 
 
 def _table_obj(value: Any) -> dict[str, Any] | None:

@@ -64,9 +64,12 @@ class Event:
     files: list[dict[str, Any]] = field(default_factory=list)
     location: str | None = None  # the table's (or database's) location, as a path key
     table_obj: dict[str, Any] | None = None  # the table definition at event time
+    # Where each of `partitions` lives, in order (None: outside the warehouse roots);
+    # None when the recorder did not say (the partitions are at their default places).
+    partition_locations: list[str | None] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "id": self.id,
             "eventType": str(self.type),
             "db": self.db,
@@ -79,6 +82,9 @@ class Event:
             "location": self.location,
             "tableObj": self.table_obj,
         }
+        if self.partition_locations is not None:
+            out["partitionLocations"] = self.partition_locations
+        return out
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ Writes are Spark SQL, so they go through whatever catalog the session is configu
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from cmroot.repl import tabledef
@@ -43,10 +44,10 @@ class Destination:
 
     def db_properties(self, db: str) -> dict[str, str]:
         props = self._catalog().getDatabaseMetadata(db).properties()
-        return _scala_map(props)
+        return scala_map(props)
 
     def table_properties(self, db: str, table: str) -> dict[str, str]:
-        return _scala_map(self._catalog().getTableMetadata(self._ident(db, table)).properties())
+        return scala_map(self._catalog().getTableMetadata(self._ident(db, table)).properties())
 
     def tables(self, db: str) -> list[str]:
         return [t.name for t in self.spark.catalog.listTables(db) if not t.isTemporary]
@@ -56,8 +57,30 @@ class Destination:
         key = (db, table)
         if key not in self._locations:
             uri = self._catalog().getTableMetadata(self._ident(db, table)).location()
-            self._locations[key] = str(uri.getPath()).rstrip("/")
+            self._locations[key] = _local(uri)
         return self._locations[key]
+
+    def partition_location(self, db: str, table: str, spec: dict[str, str]) -> str | None:
+        """The local directory of one partition; None if the table has no such partition."""
+        jspec = self._jvm.java.util.HashMap()
+        for k, v in spec.items():
+            jspec.put(k, v)
+        found = self._external().getPartitionOption(
+            db, table, self._jvm.org.apache.spark.api.python.PythonUtils.toScalaMap(jspec)
+        )
+        return _local(found.get().location()) if found.isDefined() else None
+
+    def partition_locations(self, db: str, table: str) -> list[str]:
+        """The local directory of every partition of the table."""
+        parts = self._external().listPartitions(db, table, self._jvm.scala.Option.empty())
+        out = []
+        it = parts.iterator()
+        while it.hasNext():
+            out.append(_local(it.next().location()))
+        return out
+
+    def _external(self) -> Any:
+        return self.spark._jsparkSession.sharedState().externalCatalog()
 
     def partition_columns(self, db: str, table: str) -> list[str]:
         names = self._catalog().getTableMetadata(self._ident(db, table)).partitionColumnNames()
@@ -111,9 +134,7 @@ class Destination:
         (drop, rename or retype a column), through the metastore as ADD COLUMNS does."""
         ddl = ", ".join(f"{quote(n)} {t}" for n, t in cols)
         schema = self._jvm.org.apache.spark.sql.types.StructType.fromDDL(ddl)
-        self.spark._jsparkSession.sharedState().externalCatalog().alterTableDataSchema(
-            db, table, schema
-        )
+        self._external().alterTableDataSchema(db, table, schema)
         self.refresh(db, table)
 
     def set_table_properties(self, db: str, table: str, properties: dict[str, str]) -> None:
@@ -125,10 +146,18 @@ class Destination:
         self.sql(f"ALTER TABLE {qualified(db, table)} UNSET TBLPROPERTIES IF EXISTS ({names})")
 
     def add_partitions(self, db: str, table: str, specs: list[dict[str, str]],
-                       keys: list[str]) -> None:
+                       keys: list[str], places: dict[str, str] | None = None) -> None:
+        """Add the partitions that do not exist; those in `places` (by `spec_key`) at that
+        directory, the others at their default places."""
         if specs:
-            parts = " ".join(tabledef.partition_spec(s, keys) for s in specs)
+            parts = " ".join(_partition_clause(s, keys, (places or {}).get(spec_key(s)))
+                             for s in specs)
             self.sql(f"ALTER TABLE {qualified(db, table)} ADD IF NOT EXISTS {parts}")
+
+    def set_partition_location(self, db: str, table: str, spec: dict[str, str],
+                               keys: list[str], path: str) -> None:
+        self.sql(f"ALTER TABLE {qualified(db, table)} {tabledef.partition_spec(spec, keys)}"
+                 f" SET LOCATION {literal(path)}")
 
     def drop_partitions(self, db: str, table: str, specs: list[dict[str, str]],
                         keys: list[str]) -> None:
@@ -140,6 +169,21 @@ class Destination:
         self.sql(f"REFRESH TABLE {qualified(db, table)}")
 
 
+def spec_key(spec: dict[str, str]) -> str:
+    """A partition spec as a dictionary key."""
+    return json.dumps(spec, sort_keys=True)
+
+
+def _partition_clause(spec: dict[str, str], keys: list[str], place: str | None) -> str:
+    clause = tabledef.partition_spec(spec, keys)
+    return clause if place is None else f"{clause} LOCATION {literal(place)}"
+
+
+def _local(uri: Any) -> str:
+    """The local path of a catalog location (a java.net.URI)."""
+    return str(uri.getPath()).rstrip("/")
+
+
 def _declared_type(field: Any) -> str:
     """A column's type as declared (char(n) and varchar(n) are strings to Spark, which
     keeps the declaration in the field's metadata)."""
@@ -149,7 +193,7 @@ def _declared_type(field: Any) -> str:
     return str(field.dataType().sql())
 
 
-def _scala_map(m: Any) -> dict[str, str]:
+def scala_map(m: Any) -> dict[str, str]:
     out = {}
     it = m.iterator()
     while it.hasNext():

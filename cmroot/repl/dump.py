@@ -22,6 +22,7 @@ from cmroot import faults
 from cmroot.client import Client
 from cmroot.exceptions import BadRequest, ReplError
 from cmroot.repl import dumpdir, tabledef
+from cmroot.repl.catalog import scala_map, spec_key
 from cmroot.repl.dumpdir import DumpEvent, Header, Name
 
 log = logging.getLogger(__name__)
@@ -192,16 +193,20 @@ def _partitions(spark: Any, db: str, table: str) -> list[dict[str, str]]:
     return out
 
 
-def _partition_locations(spark: Any, db: str, table: str) -> set[str]:
-    """Where the catalog places each partition of the table (local paths)."""
+def _own_locations(spark: Any, db: str, table: str, defaults: set[str]) -> dict[str, str]:
+    """The partitions of the table away from their default places (`defaults`): spec (as
+    `spec_key`) -> local path. Only those have their spec read: that costs a call each."""
     jvm = spark.sparkContext._jvm
     parts = spark._jsparkSession.sharedState().externalCatalog().listPartitions(
         db, table, jvm.scala.Option.empty()
     )
-    out = set()
+    out = {}
     it = parts.iterator()
     while it.hasNext():
-        out.add(str(it.next().location().getPath()).rstrip("/"))
+        p = it.next()
+        where = str(p.location().getPath()).rstrip("/")
+        if where not in defaults:
+            out[spec_key(scala_map(p.spec()))] = where
     return out
 
 
@@ -212,6 +217,7 @@ class _Taken:
 
     obj: dict[str, Any]
     specs: list[dict[str, str]]
+    places: dict[str, str] = field(default_factory=dict)  # spec_key -> its directory
     files: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
@@ -290,12 +296,13 @@ def _snapshot(
         events.append(DumpEvent(start, len(events), "CREATE_TABLE", tdb, name, location=loc,
                                 table_obj=t.obj))
         for spec in t.specs:
-            got_files = sorted(t.files.get(json.dumps(spec, sort_keys=True), []),
-                               key=lambda f: str(f["path"]))
+            got_files = sorted(t.files.get(spec_key(spec), []), key=lambda f: str(f["path"]))
             kind = "ADD_PARTITION" if spec else "INSERT"
             if spec or got_files:
-                events.append(DumpEvent(start, len(events), kind, tdb, name,
-                                        [spec] if spec else [], loc, files=got_files))
+                events.append(DumpEvent(
+                    start, len(events), kind, tdb, name, [spec] if spec else [], loc,
+                    files=got_files,
+                    partition_locations=[t.places[spec_key(spec)]] if spec else None))
     return events, {n: after for n, (_, after) in taken.items() if after > start}
 
 
@@ -306,7 +313,9 @@ def _take(
     executors in one batch): the tables read, and those that changed place while they were
     read (their definition gone or moved). A name that is a view now is not read."""
     got: dict[Name, _Taken] = {}
-    dirs: list[tuple[str, str, str]] = []  # (table as "db.table", spec as JSON, directory)
+    # (table as "db.table", spec_key, directory, its subdirectories that are other
+    # partitions' and not listed with it)
+    dirs: list[tuple[str, str, str, tuple[str, ...]]] = []
     for db, name in names:
         try:
             obj = table_obj(spark, db, name)
@@ -314,13 +323,15 @@ def _take(
                 continue  # a view took the name: views are not replicated
             keys = tabledef.partition_columns(obj)
             specs = _partitions(spark, db, name) if keys else [{}]
-            placed = _partition_locations(spark, db, name) if keys else set()
+            loc = tabledef.location(obj)
+            places = {spec_key(spec): f"{loc}/{tabledef.partition_dir(spec, keys)}"
+                      for spec in specs} if keys else {spec_key({}): str(loc)}
+            own = _own_locations(spark, db, name, set(places.values())) if keys else {}
         except ReplError:
             raise
         except Exception as e:  # dropped or renamed while we looked: its event follows
             log.info("table gone during bootstrap", extra={"table": f"{db}.{name}", "err": str(e)})
             continue
-        loc = tabledef.location(obj)
         if loc is None or not loc.startswith("/"):
             raise ReplError(
                 "table location not on the local filesystem",
@@ -335,26 +346,29 @@ def _take(
                 " the daemon's store.warehouse_roots), or replicate the other tables one by"
                 " one",
             )
-        places = {os.path.join(loc, tabledef.partition_dir(spec, keys)) for spec in specs}
-        own = sorted(placed - places)
-        if own:
-            raise ReplError(
-                "partition with its own location",
-                f"{db}.{name} has partitions at {', '.join(own[:3])}"
-                f"{' and more' if len(own) > 3 else ''}, outside their default places under"
-                f" {loc}: partitions with their own locations are not replicated by this"
-                " version (move them back: ALTER TABLE ... PARTITION (...) SET LOCATION)",
-            )
-        got[(db, name)] = _Taken(obj, specs)
-        for spec in specs:
-            rel = tabledef.partition_dir(spec, keys)
-            dirs.append((f"{db}.{name}", json.dumps(spec, sort_keys=True), os.path.join(loc, rel)))
+        for key, where in own.items():
+            if key not in places:  # SHOW PARTITIONS and the catalog disagree on a spec
+                raise ReplError("cannot read a partition's spec",
+                                f"{db}.{name}: partition {key} at {where}: dump again")
+            if not _recorded(spark, where):
+                raise ReplError(
+                    "partition outside the warehouse roots",
+                    f"{db}.{name} has partition {key} at {where}, where the cmroot hook"
+                    " records nothing: its replica would never change again. Move it under a"
+                    " root (ALTER TABLE ... PARTITION (...) SET LOCATION), or add its"
+                    " directory to the roots",
+                )
+            places[key] = where
+        got[(db, name)] = _Taken(obj, specs, places)
+        nested = _nested(list(places.values())) if own else {}
+        for key, where in places.items():
+            dirs.append((f"{db}.{name}", key, where, nested.get(where, ())))
     faults.point("dump.defined")
     listed = _list_files(spark, dirs)
     faults.point("dump.files_listed")
-    for key, spec_key, path, checksum, size in _hash_files(spark, listed, report):
+    for key, spec, path, checksum, size in _hash_files(spark, listed, report):
         tdb, _, name = key.partition(".")
-        got[(tdb, name)].files.setdefault(spec_key, []).append(
+        got[(tdb, name)].files.setdefault(spec, []).append(
             {"path": path, "checksum": checksum, "size": size}
         )
     unstable = set()
@@ -416,16 +430,37 @@ def _follow(name: Name, events: Iterator[dict[str, Any]]) -> list[Name]:
     return chain
 
 
-def _list_files(spark: Any, dirs: list[tuple[str, str, str]]) -> list[tuple[str, str, str, int]]:
-    """(table, spec, path, size) of every data file under each directory, listed on the
-    executors."""
+def _nested(dirs: list[str]) -> dict[str, tuple[str, ...]]:
+    """For each of a table's partition directories, the others inside it: a file belongs
+    to the deepest partition directory holding it."""
+    ordered = sorted(set(dirs), key=lambda d: d + "/")
+    out: dict[str, tuple[str, ...]] = {}
+    for i, d in enumerate(ordered):
+        inside = []
+        for other in ordered[i + 1:]:
+            if not other.startswith(d + "/"):
+                break
+            inside.append(other)
+        if inside:
+            out[d] = tuple(inside)
+    return out
+
+
+def _list_files(
+    spark: Any, dirs: list[tuple[str, str, str, tuple[str, ...]]]
+) -> list[tuple[str, str, str, int]]:
+    """(table, spec, path, size) of every data file under each directory (but not under
+    the other partitions' directories inside it), listed on the executors."""
     if not dirs:
         return []
 
-    def walk(rows: Iterator[tuple[str, str, str]]) -> Iterator[tuple[str, str, str, int]]:
-        for name, spec, d in rows:
+    def walk(
+        rows: Iterator[tuple[str, str, str, tuple[str, ...]]],
+    ) -> Iterator[tuple[str, str, str, int]]:
+        for name, spec, d, others in rows:
             for root, subdirs, fnames in os.walk(d):
-                subdirs[:] = sorted(s for s in subdirs if not s.startswith(_HIDDEN))
+                subdirs[:] = sorted(s for s in subdirs if not s.startswith(_HIDDEN)
+                                    and os.path.join(root, s) not in others)
                 for f in sorted(fnames):
                     if f.startswith(_HIDDEN):
                         continue

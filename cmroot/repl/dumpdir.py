@@ -42,6 +42,7 @@ EVENT_COLUMNS = (
     ("db", "string"),
     ("table", "string"),
     ("partitions", "string"),  # JSON list of {key: value}
+    ("partitionLocations", "string"),  # JSON list, one per partition (null: not recorded)
     ("location", "string"),
     ("table_obj", "string"),  # JSON object, or null
     ("purge", "bool_"),
@@ -78,6 +79,9 @@ class DumpEvent:
     purge: bool = False
     timestamp: float = 0.0
     files: list[dict[str, Any]] = field(default_factory=list)
+    # Where each of `partitions` lives (None: outside the source's roots); None when the
+    # recorder did not say, and each partition is where its files' paths put it.
+    partition_locations: list[str | None] | None = None
 
     def renamed(self) -> tuple[Name, Name] | None:
         """(old, new) name when this event renames a table, else None (`renamed`)."""
@@ -99,6 +103,7 @@ class DumpEvent:
             purge=bool(e.get("purge")),
             timestamp=float(e.get("timestamp") or 0.0),
             files=list(e.get("files") or []),
+            partition_locations=e.get("partitionLocations"),
         )
 
 
@@ -149,6 +154,8 @@ def write(
             ("db", e.db),
             ("table", e.table),
             ("partitions", json.dumps(e.partitions)),
+            ("partitionLocations", None if e.partition_locations is None
+             else json.dumps(e.partition_locations)),
             ("location", e.location),
             ("table_obj", None if e.table_obj is None else json.dumps(e.table_obj)),
             ("purge", e.purge),
@@ -197,6 +204,8 @@ class _EventRow(msgspec.Struct, rename={"type": "eventType"}):
     table_obj: str | None  # JSON: decoded as _TABLE_OBJ
     purge: bool
     timestamp: float
+    # JSON, decoded as _PLACES; absent from dumps written before it (format 2 still).
+    partitionLocations: str | None = None
 
 
 class _FileRow(msgspec.Struct):
@@ -210,6 +219,7 @@ class _FileRow(msgspec.Struct):
 
 
 _PARTITIONS = msgspec.json.Decoder(list[dict[str, str]])
+_PLACES = msgspec.json.Decoder(list[str | None])
 _TABLE_OBJ = msgspec.json.Decoder(dict[str, Any] | None)
 _OBJECT = msgspec.json.Decoder(dict[str, Any])
 
@@ -237,20 +247,22 @@ def read(url: str) -> Dump:
             row = msgspec.convert(r, _EventRow)
         except msgspec.ValidationError as e:
             raise _damaged(url, EVENTS, f"row {i}: {e}") from None
+        partitions = _decode(_PARTITIONS, row.partitions, url, EVENTS,
+                             f"row {i}: partitions is not a JSON list of string maps")
         events.append(DumpEvent(
             id=row.id,
             seq=row.seq,
             type=row.type,
             db=row.db,
             table=row.table,
-            partitions=_decode(_PARTITIONS, row.partitions, url, EVENTS,
-                               f"row {i}: partitions is not a JSON list of string maps"),
+            partitions=partitions,
             location=row.location,
             table_obj=None if row.table_obj is None else _decode(
                 _TABLE_OBJ, row.table_obj, url, EVENTS, f"row {i}: table_obj is not a JSON object"),
             purge=row.purge,
             timestamp=row.timestamp,
             files=by_key.get((row.id, row.seq), []),
+            partition_locations=_places(row, len(partitions), url, i),
         ))
     events.sort(key=lambda e: (e.id, e.seq))
     tables = {}
@@ -262,6 +274,17 @@ def read(url: str) -> Dump:
             raise _damaged(url, name, "tableObj is not a JSON object")
         tables[posixpath.basename(path)[: -len(".json")]] = meta
     return Dump(url, header, events, tables)
+
+
+def _places(row: _EventRow, partitions: int, url: str, i: int) -> list[str | None] | None:
+    """The row's partition locations, one per partition, or None."""
+    if row.partitionLocations is None:
+        return None
+    places: list[str | None] = _decode(_PLACES, row.partitionLocations, url, EVENTS,
+                                       f"row {i}: partitionLocations is not a JSON list")
+    if len(places) != partitions:
+        raise _damaged(url, EVENTS, f"row {i}: partitionLocations does not match partitions")
+    return places
 
 
 def _header(url: str, fs: Any, root: str) -> Header:

@@ -20,7 +20,7 @@ import shutil
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 from urllib.parse import unquote
@@ -30,7 +30,7 @@ from cmroot.client import Client
 from cmroot.durable import sync_filesystem
 from cmroot.exceptions import CmrootError, FileLost, ReplError
 from cmroot.repl import dumpdir, tabledef
-from cmroot.repl.catalog import BOOTSTRAP, LAST_ID, SCOPE, SOURCE, Destination
+from cmroot.repl.catalog import BOOTSTRAP, LAST_ID, SCOPE, SOURCE, Destination, spec_key
 from cmroot.repl.dumpdir import Dump, DumpEvent
 from cmroot.repl.transfer import (
     TEMP_PREFIX,
@@ -51,7 +51,10 @@ REMOVES = frozenset({"INSERT_OVERWRITE", "TRUNCATE", "DELETE", "ALTER_LOCATION"}
 # limits (cmroot.index.events.OMITTED): the definition is unknown, not empty.
 OMITTED = "_cmroot"
 _RESOLVE_BATCH = 5000
-EXTERNAL_DIR = "_external"  # under the destination warehouse: replicas of external tables
+# Under the destination warehouse, then the destination database: what a replica keeps
+# outside its tables' own directories (external tables, partitions with their own
+# locations), each at its source path below it.
+EXTERNAL_DIR = "_external"
 
 
 @dataclass
@@ -143,6 +146,10 @@ class Loader:
         self._copies: dict[str, Copy] = {}  # by destination: an ADD_PARTITION repeats an INSERT
         self._origin: dict[str, tuple[int, str, str]] = {}  # dst -> (event, path, checksum)
         self._partitions: dict[str, list[dict[str, str]]] = {}
+        # dst table -> spec_key -> directory, for partitions away from their default place
+        self._places: dict[str, dict[str, str]] = {}
+        self._outside: str | None = None  # _outside_root(), once asked
+        self._swept: set[str] = set()  # directories outside the tables swept of temporaries
         self._client: Client | None = Client(self.daemon_url, token) if self.daemon_url else None
         # A bootstrap's tables read in a later round of its snapshot: the event id each
         # read began after (it holds every event on that name up to there).
@@ -325,10 +332,17 @@ class Loader:
         for t in tables:
             if not self.dest.has_table(self.db, t):
                 continue
-            for root, _, files in os.walk(self.dest.location(self.db, t)):
-                for f in files:
-                    if f.startswith(TEMP_PREFIX):
-                        os.unlink(os.path.join(root, f))
+            _sweep(self.dest.location(self.db, t))
+
+    def _sweep_outside(self, copies: list[Copy]) -> None:
+        """Sweep what a killed load left in the directories outside the tables' own that
+        this batch writes to (they are not walked up front: finding them means listing
+        every partition)."""
+        root = self._outside_root()
+        for d in {os.path.dirname(c.dst) for c in copies}:
+            if d.startswith(root + "/") and d not in self._swept:
+                self._swept.add(d)
+                _sweep(d)
 
     # -- events ---------------------------------------------------------------------------
     def _held(self, e: DumpEvent) -> bool:
@@ -366,6 +380,7 @@ class Loader:
                 else:
                     self.dest.drop_db(self.db)
                     self._tables.clear()
+                    shutil.rmtree(self._outside_root(), ignore_errors=True)
         elif kind == "CREATE_TABLE":
             self._ensure_table(e)
             if e.files:  # created over a directory that already held data
@@ -458,10 +473,23 @@ class Loader:
         if not src or not src.startswith("/"):
             raise ReplError("external table without a local location",
                             f"event {e.id}: {e.db}.{e.table} at {src}")
-        root = os.path.join(self.dest.warehouse(), EXTERNAL_DIR)
-        place = os.path.normpath(os.path.join(root, src.lstrip("/")))
-        if not place.startswith(root + "/"):
-            raise ReplError("bad location in the dump", f"event {e.id}: {src}")
+        return self._mapped(e, src)
+
+    def _outside_root(self) -> str:
+        """`<destination warehouse>/_external/<database>`: where this replica keeps what
+        lies outside its tables' own directories. By database, so two replicas of one
+        source in one warehouse never share a directory."""
+        if self._outside is None:
+            self._outside = os.path.join(self.dest.warehouse(), EXTERNAL_DIR, self.db)
+        return self._outside
+
+    def _mapped(self, e: DumpEvent, path: str) -> str:
+        """Where the replica keeps source `path` that lies outside its table's location:
+        at that path below `_outside_root()`."""
+        root = self._outside_root()
+        place = os.path.normpath(os.path.join(root, path.lstrip("/")))
+        if not path.startswith("/") or not place.startswith(root + "/"):
+            raise ReplError("bad path in the dump", f"event {e.id}: {path}")
         return place
 
     def _keys(self, e: DumpEvent) -> list[str]:
@@ -481,18 +509,47 @@ class Loader:
         return loc.rstrip("/")
 
     def _dst_path(self, e: DumpEvent, dst_table: str, path: str) -> str:
+        """Where the replica keeps source `path` (a file or a partition's directory): at
+        its place below the replica table's location, or, outside the source table's
+        location (a partition at its own location), below `_outside_root()`."""
         src_loc = self._src_location(e)
-        if not path.startswith(src_loc + "/"):
-            raise ReplError(
-                "file outside its table's location",
-                f"event {e.id}: {path} is not under {src_loc}; partitions with their own "
-                "locations are not replicated",
-            )
         base = self.dest.location(self.db, dst_table)
+        if path.rstrip("/") == src_loc:
+            return base
+        if not path.startswith(src_loc + "/"):
+            return self._mapped(e, path)
         dst = os.path.normpath(os.path.join(base, path[len(src_loc) + 1 :]))
         if not dst.startswith(base + "/"):
             raise ReplError("bad path in the dump", f"event {e.id}: {path}")
         return dst
+
+    def _own_places(self, e: DumpEvent, dst_table: str,
+                    keys: list[str]) -> list[tuple[str, dict[str, str]]]:
+        """(source directory, spec) of each partition the event places, deepest first (a
+        partition's location may lie inside another's); those away from their default
+        place are registered there (`_places`). A partition outside the source's roots
+        is refused: the source records nothing of it, so its replica would stand still."""
+        if e.partition_locations is None:
+            return []
+        base = self.dest.location(self.db, dst_table)
+        out = []
+        for spec, src in zip(e.partitions, e.partition_locations, strict=True):
+            if src is None:
+                raise ReplError(
+                    "partition outside the warehouse roots",
+                    f"event {e.id}: partition {spec} of {e.db}.{e.table} lies where the"
+                    " source's hook records nothing, so its replica could not follow it: move"
+                    " it under a root at the source (ALTER TABLE ... PARTITION (...) SET"
+                    " LOCATION), or add its directory to the roots (nothing of this event was"
+                    " applied)",
+                )
+            dst = self._dst_path(e, dst_table, src)
+            default = (os.path.join(base, tabledef.partition_dir(spec, keys))
+                       if keys and all(k in spec for k in keys) else None)
+            if dst != default:
+                self._places.setdefault(dst_table, {})[spec_key(spec)] = dst
+            out.append((src.rstrip("/"), spec))
+        return sorted(out, key=lambda p: len(p[0]), reverse=True)
 
     def _spec_of(self, rel_dir: str, keys: list[str]) -> dict[str, str]:
         spec = {}
@@ -529,14 +586,25 @@ class Loader:
             if keys and spec and spec not in specs:
                 specs.append(spec)
         base = self.dest.location(self.db, dst_table)
+        places = self._own_places(e, dst_table, keys)
+        src_loc = self._src_location(e)
         for f in e.files:
-            dst = self._dst_path(e, dst_table, f["path"])
+            path = f["path"]
+            dst = self._dst_path(e, dst_table, path)
+            held = next((spec for d, spec in places if path.startswith(d + "/")), None)
+            if held is None and not path.startswith(src_loc + "/"):
+                raise ReplError(
+                    "file outside its table's location",
+                    f"event {e.id}: {path} is not under {src_loc}, and the event does not say"
+                    " which partition holds it (recorded by an older cmroot): take a"
+                    f" bootstrap of {e.db}.{e.table}",
+                )
             if keys:
-                spec = self._spec_of(os.path.relpath(os.path.dirname(dst), base), keys)
+                spec = held or self._spec_of(os.path.relpath(os.path.dirname(dst), base), keys)
                 if spec and spec not in specs:
                     specs.append(spec)
-            self._copies[dst] = Copy(f["path"], dst, f["checksum"], int(f["size"]))
-            self._origin[dst] = (e.id, f["path"], f["checksum"])
+            self._copies[dst] = Copy(path, dst, f["checksum"], int(f["size"]))
+            self._origin[dst] = (e.id, path, f["checksum"])
 
     def _remove(self, e: DumpEvent) -> None:
         dst_table = self._dst_table(e)
@@ -553,10 +621,21 @@ class Loader:
         dst_table = self._dst_table(e)
         if self.dest.has_table(self.db, dst_table):
             base = self.dest.location(self.db, dst_table)
+            outside = self._outside_partitions(dst_table)
             self.dest.drop_table(self.db, dst_table)
             # Files a killed load placed before registering them are not the catalog's.
-            shutil.rmtree(base, ignore_errors=True)
+            for d in [base, *outside]:
+                shutil.rmtree(d, ignore_errors=True)
         self._tables.discard(dst_table)
+
+    def _outside_partitions(self, dst_table: str) -> list[str]:
+        """The directories of the table's partitions kept below `_outside_root()` (the
+        partitions are listed only when that directory exists)."""
+        root = self._outside_root()
+        if not os.path.isdir(root) or not self.dest.partition_columns(self.db, dst_table):
+            return []
+        return [d for d in self.dest.partition_locations(self.db, dst_table)
+                if d.startswith(root + "/")]
 
     def _drop_partitions(self, e: DumpEvent) -> None:
         dst_table = self._dst_table(e)
@@ -564,11 +643,24 @@ class Loader:
             return
         keys = self._keys(e)
         specs = [s for s in e.partitions if s]
-        self.dest.drop_partitions(self.db, dst_table, specs, keys)
         base = self.dest.location(self.db, dst_table)
-        for spec in specs:
-            shutil.rmtree(os.path.join(base, tabledef.partition_dir(spec, keys)),
-                          ignore_errors=True)
+        dirs = {os.path.join(base, tabledef.partition_dir(spec, keys)) for spec in specs}
+        dirs |= {d for spec in specs
+                 if (d := self.dest.partition_location(self.db, dst_table, spec)) is not None}
+        self.dest.drop_partitions(self.db, dst_table, specs, keys)
+        self._remove_dirs(dst_table, dirs)
+
+    def _remove_dirs(self, dst_table: str, dirs: set[str]) -> None:
+        """Remove what the replica holds in `dirs` (partitions it dropped or moved away
+        from), keeping the table's remaining partitions that lie inside one of them."""
+        base = self.dest.location(self.db, dst_table)
+        if all(d.startswith(base + "/") and os.path.basename(d).find("=") > 0 for d in dirs):
+            # Default places only (k=v below the table): nothing else lives inside them.
+            keep: set[str] = set()
+        else:
+            keep = set(self.dest.partition_locations(self.db, dst_table)) - dirs
+        for d in dirs:
+            _clear(d, keep)
 
     def _alter(self, e: DumpEvent) -> None:
         new = _known(e.table_obj, e)
@@ -652,14 +744,11 @@ class Loader:
                 " the source, or replicate it another way (nothing of this event was applied)",
             )
         self._alter(e)
-        if e.partitions:
-            raise ReplError(
-                "partition with its own location",
-                f"event {e.id}: a partition of {e.db}.{e.table} was given the location "
-                f"{e.location}; partitions with their own locations are not replicated",
-            )
         dst_table = self._dst_table(e)
         if not self.dest.has_table(self.db, dst_table):
+            return
+        if e.partitions:
+            self._move_partitions(e, dst_table)
             return
         base = self.dest.location(self.db, dst_table)
         if tabledef.partition_columns(self._definition(e) or {}):
@@ -674,6 +763,35 @@ class Loader:
         self._add(e)
         self.dest.refresh(self.db, dst_table)
 
+    def _move_partitions(self, e: DumpEvent, dst_table: str) -> None:
+        """Partitions given new locations at the source (ALTER_LOCATION with partitions): on
+        the replica each moves to where its new location maps, holding exactly what the
+        event lists there; the replica's copy at the old place goes."""
+        if e.partition_locations is None:
+            raise ReplError(
+                "partition moved without its location",
+                f"event {e.id}: a partition of {e.db}.{e.table} was given a new location,"
+                " recorded by an older cmroot that did not say where: take a bootstrap of"
+                f" {e.db}.{e.table}",
+            )
+        keys = self.dest.partition_columns(self.db, dst_table)
+        self._own_places(e, dst_table, keys)  # refuses a place outside the roots first
+        base = self.dest.location(self.db, dst_table)
+        moves = []
+        for spec in e.partitions:
+            new = self._places.get(dst_table, {}).get(
+                spec_key(spec), os.path.join(base, tabledef.partition_dir(spec, keys)))
+            moves.append((spec, self.dest.partition_location(self.db, dst_table, spec), new))
+        self._remove_dirs(dst_table, {d for _, old, new in moves for d in (old, new) if d})
+        for spec, old, new in moves:
+            os.makedirs(new, exist_ok=True)
+            if old is None:
+                self.dest.add_partitions(self.db, dst_table, [spec], keys, {spec_key(spec): new})
+            elif old != new:
+                self.dest.set_partition_location(self.db, dst_table, spec, keys, new)
+        self._add(e)
+        self.dest.refresh(self.db, dst_table)
+
     # -- files ----------------------------------------------------------------------------
     def _flush(self, checkpoint: int | None) -> None:
         """Copy every queued file, publish them, register their partitions; then, for an
@@ -681,8 +799,10 @@ class Loader:
         `checkpoint`)."""
         copies, self._copies = list(self._copies.values()), {}
         partitions, self._partitions = self._partitions, {}
+        places, self._places = self._places, {}
         if copies:
             self._check_reachable(copies)
+            self._sweep_outside(copies)
             done = self._copy(copies)
             unasked = [(c.fault, c.error or "") for c in done if c.fault is not None]
             failed = [c for c in done if c.source == "failed"]
@@ -713,7 +833,7 @@ class Loader:
         for dst_table, specs in partitions.items():
             if specs and self.dest.has_table(self.db, dst_table):
                 keys = self.dest.partition_columns(self.db, dst_table)
-                self.dest.add_partitions(self.db, dst_table, specs, keys)
+                self.dest.add_partitions(self.db, dst_table, specs, keys, places.get(dst_table))
         for dst_table in partitions:
             if self.dest.has_table(self.db, dst_table):
                 self.dest.refresh(self.db, dst_table)
@@ -827,6 +947,36 @@ def _sync(dirs: set[str]) -> None:
         if dev not in seen:
             seen.add(dev)
             sync_filesystem(d)
+
+
+def _sweep(top: str) -> None:
+    """Remove the temporaries a killed load left below `top`."""
+    for root, _, files in os.walk(top):
+        for f in files:
+            if f.startswith(TEMP_PREFIX):
+                os.unlink(os.path.join(root, f))
+
+
+def _clear(top: str, keep: set[str]) -> None:
+    """Remove `top` and what it holds, except the directories in `keep` (and the way to
+    them)."""
+    if top in keep:
+        return
+    inside = [k for k in keep if k.startswith(top + "/")]
+    if not inside:
+        shutil.rmtree(top, ignore_errors=True)
+        return
+    try:
+        names = os.listdir(top)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(top, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            _clear(path, set(inside))
+        else:
+            with suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def _size(path: str) -> int:

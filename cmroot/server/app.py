@@ -767,6 +767,7 @@ async def add_event(request: web.Request) -> web.Response:
         body.server,
         body.location,
         table_obj,
+        body.partitionLocations,
     )
     return _json({"id": event_id})
 

@@ -134,6 +134,8 @@ class EventBody(
     # Accepted because HCatalog messages carry it; the daemon stamps events with its clock.
     timestamp: Annotated[float, Meta(ge=0, le=MAX_TIMESTAMP)] | None = None
     location: PathStr | None = None
+    # Where each of `partitions` lives, in order; null for one outside the warehouse roots.
+    partitionLocations: Annotated[list[PathStr | None], Meta(max_length=MAX_ITEMS)] | None = None
     table_json: Raw = Raw(b"null")  # decoded by table_obj(), once its size is known
 
     def table_obj(self) -> dict[str, Any] | None:
@@ -226,7 +228,10 @@ _HINTS = {
     "server": f"give a name of at most {MAX_NAME} characters, or null",
     "partitions": 'give a list of {"key": "value"} objects of strings',
     "location": "give the table's location as an absolute path or URL, or null",
-    "partitionLocations": "give a list of absolute paths or URLs (partition directories)",
+    "partitionLocations": (
+        "give a list of absolute paths or URLs (partition directories); an event gives one"
+        " per partition, null for one outside the warehouse roots"
+    ),
     "checksum": "give an xxh3-128 checksum: 32 lowercase hex digits",
     "size": f"give the size in bytes as a non-negative integer (at most {MAX_INT})",
     "timestamp": "give seconds since the epoch, or leave it out (the daemon stamps events)",

@@ -149,10 +149,13 @@ class Store:
         server: str | None = None,
         location: str | None = None,
         table_obj: dict[str, Any] | None = None,
+        partition_locations: list[str | None] | None = None,
     ) -> int:
         """Record a non-destructive event (CREATE_TABLE, ADD_PARTITION, INSERT, ...), or a
         drop that held no data. A file given without its checksum is hashed here, from disk:
-        the hook then need not read the bytes it just wrote."""
+        the hook then need not read the bytes it just wrote. `partition_locations` says
+        where each of `partitions` lives (None: outside the roots, where nothing of it is
+        recorded)."""
         if not isinstance(type, str) or type not in RECORDABLE:
             raise BadRequest(
                 "unknown eventType", f"{type!r}: use one of {', '.join(sorted(RECORDABLE))}"
@@ -167,6 +170,7 @@ class Store:
             raise BadRequest("bad tableObj", "give the table definition as a JSON object")
         validate_partitions(partitions or [])
         where = self.warehouse.locate(location).key if location is not None else None
+        places = self._partition_places(partitions or [], partition_locations)
         clean = self._event_files(files or [])
         return self.index.add_event(
             Event(
@@ -181,8 +185,22 @@ class Store:
                 clean,
                 where,
                 table_obj,
+                places,
             )
         )
+
+    def _partition_places(
+        self, partitions: list[dict[str, str]], places: list[str | None] | None
+    ) -> list[str | None] | None:
+        """`places` confined to the roots and canonical, one per partition."""
+        if places is None:
+            return None
+        if not isinstance(places, list) or len(places) != len(partitions):
+            raise BadRequest(
+                "bad partitionLocations",
+                f"give one location (or null) per partition: {len(partitions)} partitions",
+            )
+        return [None if p is None else self.warehouse.locate(p).key for p in places]
 
     def _event_files(self, files: list[Any]) -> list[dict[str, Any]]:
         """Confine and check every file first, so a bad one refuses the event before any

@@ -1,5 +1,5 @@
 """External tables stay external on the replica (issue 12, locations): at the source's
-location under `<destination warehouse>/_external/`, with the source's rows; dropping the
+location under `<destination warehouse>/_external/<database>/`, with the source's rows; dropping the
 replica's table goes as the source's drop (its copy removed by the load)."""
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ def test_an_external_table_replicates_as_an_external_table(
         assert "error" not in step["load"], step["load"]
     assert first["rows"]["t"] == [[1], [2]] and first["rows"]["h"] == [[3]]
     assert booted["rows"]["b"] == [[1], [2]] and second["rows"]["t"] == [[1], [2], [4]]
-    for key, step in (("t type", first), ("h type", first), ("b type", booted)):
+    for key, step, db in (("t type", first, "ex"), ("h type", first, "ex"),
+                          ("b type", booted, "exb")):
         info = {r[0]: r[1] for r in step["rows"][key]}
         assert info["Type"] == "EXTERNAL", (key, info)
-        assert info["Location"].endswith(f"/_external{landing}" + ("_h" if key[0] == "h"
-                                                                   else "")), (key, info)
+        place = f"/_external/{db}{landing}" + ("_h" if key[0] == "h" else "")
+        assert info["Location"].endswith(place), (key, info)

@@ -119,18 +119,3 @@ def test_a_table_outside_the_roots_is_refused_never_frozen(
     assert moved["load"]["kind"] == "ReplError", moved["load"]
     assert "outside the warehouse roots" in moved["load"]["error"]
     assert moved["rows"]["t"] == [[1]] and moved["status"] == first["status"]
-
-
-def test_a_partition_with_its_own_location_is_refused_by_a_bootstrap(source: Source) -> None:
-    """A bootstrap used to list a partition at its default place only: one the catalog
-    placed elsewhere came out empty on the replica. It is refused by name instead, until
-    such partitions are replicated."""
-    source.sql("CREATE DATABASE pl")
-    source.sql("CREATE TABLE pl.t (a INT, p INT) USING parquet PARTITIONED BY (p)")
-    source.sql("INSERT INTO pl.t VALUES (1, 1), (2, 2)")
-    elsewhere = source.warehouse / "pl.db" / "t_p2_elsewhere"
-    source.spark.range(1).selectExpr("CAST(7 AS INT) AS a").write.parquet(str(elsewhere))
-    source.sql(f"ALTER TABLE pl.t PARTITION (p=2) SET LOCATION '{elsewhere}'")
-    with pytest.raises(ReplError) as e:
-        source.dump("pl")
-    assert "its own location" in e.value.message and str(elsewhere) in e.value.detail

@@ -731,8 +731,36 @@ public final class Cmroot {
       return Cmroot.partitionsOf(files, f -> partitionOf(f, false));
     }
 
+    /**
+     * The directory of each of `parts` (this context's partitionsOf(files)), read off the
+     * files in it: what an event's `partitionLocations` says. Null if one is unknown (an
+     * event without it places its partitions by their paths).
+     */
+    List<String> partitionDirsOf(List<String> files, List<Map<String, String>> parts) {
+      Map<Map<String, String>, String> dirs = new java.util.HashMap<>();
+      for (String f : files) {
+        dirs.putIfAbsent(partitionOf(f, false), partitionDir(f, false));
+      }
+      List<String> out = new ArrayList<>();
+      for (Map<String, String> p : parts) {
+        String d = dirs.get(p);
+        if (d == null) {
+          return null;
+        }
+        out.add(d);
+      }
+      return out;
+    }
+
     /** The partition ({k: v}) `path` belongs to, in the table's directory or a custom one. */
     Map<String, String> partitionOf(String path, boolean isDir) {
+      String dir = partitionDir(path, isDir);
+      Map<String, String> custom = dir == null ? null : partitionDirs.get(dir);
+      return custom != null ? custom : Cmroot.partitionOf(path, location, isDir);
+    }
+
+    /** The directory of the partition `path` belongs to (custom or default), or null. */
+    private String partitionDir(String path, boolean isDir) {
       String deepest = null; // a partition's location may lie inside another's
       for (String d : partitionDirs.keySet()) {
         if (under(path, d) && (deepest == null || d.length() > deepest.length())) {
@@ -742,8 +770,10 @@ public final class Cmroot {
       // A partition at its default place (k=v/... below the table) inside a custom location
       // (the table's root, or another partition's k=v parent) is the deeper one.
       int byDefault = defaultPlaceEnd(path, isDir);
-      return deepest != null && deepest.length() >= byDefault ? partitionDirs.get(deepest)
-          : Cmroot.partitionOf(path, location, isDir);
+      if (deepest != null && deepest.length() >= byDefault) {
+        return deepest;
+      }
+      return byDefault < 0 ? null : path.substring(0, byDefault);
     }
 
     /**

@@ -326,6 +326,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     body.put("db", c.db);
     body.put("table", c.table);
     body.put("partitions", parts);
+    body.put("partitionLocations", c.partitionDirsOf(files, parts));
     body.put("location", c.location);
     body.put("files", Cmroot.fileRefs(files));
     CmrootStatement st = CmrootStatement.current();

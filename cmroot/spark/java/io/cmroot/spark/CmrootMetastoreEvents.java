@@ -168,7 +168,11 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
       add.put("partitions", List.of(CmrootMetastoreListener.spec(t, after)));
       String what = "the rename of partition " + before.getValues() + " of " + name(t);
       // Listed when recorded: at the statement's end, where the files ended up.
-      record(add, s, what, () -> files(st == null ? now : st.renamedLocation(key), s));
+      record(add, s, what, () -> {
+        String dir = st == null ? now : st.renamedLocation(key);
+        add.put("partitionLocations", places(List.of(String.valueOf(dir)), s));
+        return files(dir, s);
+      });
       Map<String, Object> drop = event("DROP_PARTITION", t.getDbName(), t.getTableName());
       drop.put("location", loc);
       drop.put("partitions", List.of(CmrootMetastoreListener.spec(t, before)));
@@ -181,6 +185,8 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
       Map<String, Object> body = event("ALTER_LOCATION", t.getDbName(), t.getTableName());
       body.put("location", loc);
       body.put("partitions", List.of(CmrootMetastoreListener.spec(t, after)));
+      // Null when moved out of the roots: a replica must not take it as emptied.
+      body.put("partitionLocations", places(List.of(String.valueOf(now)), s));
       body.put("tableObj", Cmroot.tableMap(t));
       record(body, s, "the new location of partition " + after.getValues() + " of " + name(t),
           () -> files(now, s));
@@ -191,6 +197,15 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
   private static List<String> files(String dir, Cmroot.Settings s) {
     return Cmroot.protectedLocation(dir, s) ? Cmroot.dataFiles(new File(dir), true, null)
         : List.of();
+  }
+
+  /** Each of `dirs` if it is under the warehouse roots; else null (nothing recorded there). */
+  static List<String> places(List<String> dirs, Cmroot.Settings s) {
+    List<String> out = new ArrayList<>();
+    for (String d : dirs) {
+      out.add(Cmroot.protectedLocation(d, s) ? d : null);
+    }
+    return out;
   }
 
   private static String partitionLocation(Partition p) {
@@ -206,12 +221,14 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
       return;
     }
     List<Map<String, String>> parts = new ArrayList<>();
+    List<String> dirs = new ArrayList<>();
     List<String> files = new ArrayList<>();
     Iterator<Partition> it = e.getPartitionIterator();
     while (it.hasNext()) {
       Partition p = it.next();
       parts.add(CmrootMetastoreListener.spec(t, p));
       String dir = p.getSd() == null ? null : Cmroot.localPath(p.getSd().getLocation());
+      dirs.add(String.valueOf(dir));
       if (Cmroot.protectedLocation(dir, s)) {
         files.addAll(Cmroot.dataFiles(new File(dir), true, null));
       }
@@ -222,6 +239,7 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     Map<String, Object> body = event("ADD_PARTITION", t.getDbName(), t.getTableName());
     body.put("location", loc);
     body.put("partitions", parts);
+    body.put("partitionLocations", places(dirs, s));
     body.put("files", Cmroot.fileRefs(files));
     record(body, s, "partitions " + parts + " of " + name(t));
   }

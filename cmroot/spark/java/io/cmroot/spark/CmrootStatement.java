@@ -231,6 +231,7 @@ public final class CmrootStatement {
     body.put("db", c.db);
     body.put("table", c.table);
     body.put("partitions", parts);
+    body.put("partitionLocations", c.partitionDirsOf(files, parts));
     body.put("location", c.location);
     body.put("files", Cmroot.fileRefs(files));
     Cmroot.addEvent(body, s, "the files moved into " + c.db + "." + c.table);
