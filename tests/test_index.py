@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -387,3 +388,21 @@ def test_an_index_from_before_event_meta_is_migrated(tmp_path: Path) -> None:
     finally:
         ix.close()
     Index(p).close()  # a second open finds the column there and leaves it
+
+
+def test_partition_locations_survive_a_table_obj_too_large_to_serve(index: Index) -> None:
+    """A stored meta over the served limit is split without building its tableObj: the
+    partition locations beside it come back whole, the tableObj as the omitted marker."""
+    from cmroot.index.events import MAX_TABLE_OBJ, OMITTED
+
+    places: list[str | None] = ["/w/db.db/t/p=1", "/w/landing/p2", None]
+    big = {"blob": "x" * (MAX_TABLE_OBJ + 1)}
+    parts = [{"p": "1"}, {"p": "2"}, {"p": "3"}]
+    base = event("ADD_PARTITION", partitions=parts)
+    small = index.add_event(replace(base, partition_locations=places))
+    large = index.add_event(replace(base, partition_locations=places, table_obj=big,
+                                    location="/w/db.db/t"))
+    got = {e.id: e for e in index.events(small, 2)}
+    assert got[small].partition_locations == places and got[small].table_obj is None
+    assert got[large].partition_locations == places and got[large].location == "/w/db.db/t"
+    assert got[large].table_obj is not None and set(got[large].table_obj) == {OMITTED}

@@ -27,15 +27,27 @@ files = st.lists(
     ),
     max_size=5,
 )
+partitions = st.lists(st.dictionaries(names, names, max_size=2), max_size=2)
+
+
+@st.composite
+def placed(draw: st.DrawFn) -> tuple[list[dict[str, str]], list[str | None] | None]:
+    """Partitions, and none or one location (or null) for each."""
+    specs = draw(partitions)
+    where = st.lists(st.none() | names.map(lambda s: "/wh/" + s), min_size=len(specs),
+                     max_size=len(specs))
+    return specs, draw(st.none() | where)
+
+
 events = st.lists(
     st.builds(
-        DumpEvent,
+        lambda where, **kw: DumpEvent(partitions=where[0], partition_locations=where[1], **kw),
+        where=placed(),
         id=st.integers(0, 2**40),
         seq=st.integers(0, 1000),
         type=st.sampled_from(["CREATE_TABLE", "INSERT", "DROP_PARTITION", "INSERT_OVERWRITE"]),
         db=names,
         table=st.none() | names,
-        partitions=st.lists(st.dictionaries(names, names, max_size=2), max_size=2),
         location=st.none() | names,
         table_obj=st.none() | st.dictionaries(names, names, max_size=3),
         purge=st.booleans(),
@@ -151,7 +163,8 @@ def good_dump(root: Path) -> str:
     obj = {"db": "s", "table": "t"}
     dumpdir.write(url, header(source="a" * 32), [
         DumpEvent(3, 0, "INSERT", "s", "t", [{"p": "1"}], "/wh/t", obj, timestamp=1.5,
-                  files=[{"path": "/wh/t/p=1/a", "checksum": "0" * 32, "size": 1}])],
+                  files=[{"path": "/wh/t/p=1/a", "checksum": "0" * 32, "size": 1}],
+                  partition_locations=["/wh/t/p=1"])],
         {"s.t": {"tableObj": obj, "partitions": None}})
     return url
 
@@ -209,6 +222,8 @@ EVENT_OK: dict[str, Any] = {
     "table": lambda v: v is None or isinstance(v, str),
     "partitions": lambda v: is_json(v, lambda p: isinstance(p, list) and all(
         isinstance(s, dict) and all(isinstance(x, str) for x in s.values()) for s in p)),
+    "partitionLocations": lambda v: v is None or is_json(v, lambda p: isinstance(p, list) and len(
+        p) == 1 and all(x is None or isinstance(x, str) for x in p)),
     "location": lambda v: v is None or isinstance(v, str),
     "table_obj": lambda v: v is None or is_json(v, lambda o: o is None or isinstance(o, dict)),
     "purge": lambda v: isinstance(v, bool),
@@ -298,6 +313,10 @@ def test_a_header_without_a_required_field_is_refused(tmp_path: Path, name: str)
     ("events.parquet", "partitions", "p=1"),
     ("events.parquet", "table_obj", "[1]"),
     ("events.parquet", "table_obj", "{"),
+    ("events.parquet", "partitionLocations", "[]"),
+    ("events.parquet", "partitionLocations", '["/a", "/b"]'),
+    ("events.parquet", "partitionLocations", "[1]"),
+    ("events.parquet", "partitionLocations", '"/a"'),
     ("files.parquet", "size", "1"),
     ("files.parquet", "size", -1),
     ("files.parquet", "path", None),

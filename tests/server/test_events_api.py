@@ -87,6 +87,23 @@ def test_new_fields_round_trip_and_files_are_hashed_by_the_daemon(lake: Daemon) 
     assert (plain["location"], plain["tableObj"], plain["files"]) == (None, None, [])
 
 
+def test_partition_locations_round_trip(lake: Daemon) -> None:
+    """`partitionLocations`: one place per partition, canonical, null for one outside the
+    roots; an event without them shows none (its partitions are at their default places)."""
+    d = lake
+    c = d.client("write")
+    tdir = d.warehouse / "sales.db" / "orders"
+    elsewhere = d.warehouse / "landing" / "p2"
+    eid = c.add_event("ADD_PARTITION", db="sales", table="orders",
+                      partitions=[{"p": "1"}, {"p": "2"}, {"p": "3"}], location=str(tdir),
+                      partitionLocations=[f"file://{tdir}/p=1/", str(elsewhere), None])
+    e = _event(d, eid)
+    assert e["partitionLocations"] == [f"{tdir}/p=1", str(elsewhere), None]
+    plain = _event(d, c.add_event("ADD_PARTITION", db="sales", table="orders",
+                                  partitions=[{"p": "1"}]))
+    assert "partitionLocations" not in plain
+
+
 def test_recycle_records_the_location(lake: Daemon) -> None:
     d = lake
     tdir = d.warehouse / "sales.db" / "old"
@@ -125,6 +142,17 @@ def test_refusals_record_nothing(lake: Daemon) -> None:
         ({**base, "tableObj": [TABLE_OBJ]}, 400, ["tableObj"]),
         ({**base, "files": [{"path": here, "size": 3}]}, 400, ["checksum"]),
         ({**base, "eventType": "DROP_TABLE", "files": [{"path": here}]}, 400, ["/v1/recycle"]),
+        ({**base, "partitions": [{"p": "1"}], "partitionLocations": []}, 400,
+         ["partitionLocations", "1 partitions"]),
+        ({**base, "partitionLocations": [str(tdir)]}, 400, ["partitionLocations"]),
+        ({**base, "partitions": [{"p": "1"}], "partitionLocations": [str(d.outside)]}, 403,
+         ["outside"]),
+        ({**base, "partitions": [{"p": "1"}], "partitionLocations": ["p=1"]}, 400,
+         ["relative"]),
+        ({**base, "partitions": [{"p": "1"}], "partitionLocations": [1]}, 400,
+         ["partitionLocations"]),
+        ({**base, "partitions": [{"p": "1"}], "partitionLocations": str(tdir)}, 400,
+         ["partitionLocations"]),
         ({**base, "eventType": "DROP_PARTITION", "partitions": [{"p": "1"}],
           "files": [{"path": here}]}, 400, ["/v1/recycle"]),
     ]:
