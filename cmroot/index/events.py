@@ -43,6 +43,7 @@ MAX_TABLE_OBJ_DEPTH = 32
 MAX_TABLE_OBJ = 3 * ACCEPTED_TABLE_OBJ
 OMITTED = "_cmroot"  # the one key of the marker served in place of such a tableObj
 _LOCATION_FIRST = '{"location": '  # how _insert_event's json.dumps starts a meta
+_MAX_NAME = 4096  # the longest name or location an omitted tableObj's marker keeps
 _BIG_INT = 2**63  # the widest integer a cursor field can hold
 # What a page holds besides its events: the envelope with the widest numbers, plus room
 # for the one `filesNext` a page can carry.
@@ -324,8 +325,8 @@ def _meta(text: str | None) -> Meta:
         else:
             meta = json.loads(text)
     except RecursionError:
-        return (_location_of(text), _omitted(f"nested over {MAX_TABLE_OBJ_DEPTH} levels deep"),
-                None)
+        why = f"nested over {MAX_TABLE_OBJ_DEPTH} levels deep"
+        return _location_of(text), _omitted(why, _names_in_meta(text)), None
     except (ValueError, msgspec.DecodeError):
         return _location_of(text), _omitted("its stored JSON cannot be read"), None
     if not isinstance(meta, dict):
@@ -339,22 +340,64 @@ def _meta(text: str | None) -> Meta:
 def _table_obj(value: Any) -> dict[str, Any] | None:
     if isinstance(value, msgspec.Raw):
         if len(value) > MAX_TABLE_OBJ:
-            return _omitted(f"{len(value)} bytes of JSON, over the {MAX_TABLE_OBJ}-byte limit")
+            why = f"{len(value)} bytes of JSON, over the {MAX_TABLE_OBJ}-byte limit"
+            return _omitted(why, _names(value))
         try:
             value = json.loads(bytes(value))
         except RecursionError:
-            return _omitted(f"nested over {MAX_TABLE_OBJ_DEPTH} levels deep")
+            return _omitted(f"nested over {MAX_TABLE_OBJ_DEPTH} levels deep", _names(value))
     if value is None:
         return None
     if not isinstance(value, dict):
         return _omitted(f"a JSON {type(value).__name__}, not an object")
     if json_depth(value) > MAX_TABLE_OBJ_DEPTH:
-        return _omitted(f"nested over {MAX_TABLE_OBJ_DEPTH} levels deep")
+        return _omitted(f"nested over {MAX_TABLE_OBJ_DEPTH} levels deep", _named(value))
     return value
 
 
-def _omitted(why: str) -> dict[str, Any]:
-    return {OMITTED: f"tableObj omitted: {why}; a replica of this table needs a bootstrap"}
+class _Names(msgspec.Struct):
+    """What an omitted tableObj keeps: which table it defines, and where (a rename into
+    another database is recognised by them; a renamed table's files are found by them)."""
+
+    db: Any = None
+    table: Any = None
+    location: Any = None
+
+
+class _MetaNames(msgspec.Struct, rename={"table_obj": "tableObj"}):
+    table_obj: _Names | None = None
+
+
+_NAMES = msgspec.json.Decoder(_Names)
+_NAMES_IN_META = msgspec.json.Decoder(_MetaNames)
+
+
+def _names(raw: msgspec.Raw) -> dict[str, str]:
+    """The names of a tableObj read without building the rest of it (none if even that
+    cannot be read: nesting too deep to skip)."""
+    try:
+        return _named(msgspec.structs.asdict(_NAMES.decode(raw)))
+    except (msgspec.DecodeError, RecursionError):
+        return {}
+
+
+def _names_in_meta(text: str) -> dict[str, str]:
+    """The names of the tableObj of a meta too deep to parse whole."""
+    try:
+        found = _NAMES_IN_META.decode(text).table_obj
+    except (msgspec.DecodeError, RecursionError):
+        return {}
+    return _named(msgspec.structs.asdict(found)) if found is not None else {}
+
+
+def _named(obj: dict[str, Any]) -> dict[str, str]:
+    return {k: v for k in ("db", "table", "location")
+            if isinstance(v := obj.get(k), str) and len(v) <= _MAX_NAME}
+
+
+def _omitted(why: str, names: dict[str, str] | None = None) -> dict[str, Any]:
+    return {OMITTED: f"tableObj omitted: {why}; a replica of this table needs a bootstrap",
+            **(names or {})}
 
 
 def _location_of(text: str) -> str | None:

@@ -92,10 +92,13 @@ def test_old_events_with_an_oversized_table_obj_page(make_daemon: MakeDaemon) ->
                 seen.setdefault(e["id"], e)
     assert sorted(seen) == list(range(first, last + 1))
 
+    # The marker keeps the names of a definition it can read them from without building it.
+    names = {"huge": {"db": "db", "table": "huge"}, "deep": {"db": "db", "table": "deep"},
+             "deeper": {}, "listed": {}}
     for event_id, (table, files) in legacy.items():
         e = seen[event_id]
         marker = e["tableObj"]
-        assert set(marker) == {"_cmroot"}, marker
+        assert {k: v for k, v in marker.items() if k != "_cmroot"} == names[table], marker
         assert marker["_cmroot"].startswith("tableObj omitted"), marker
         assert len(json.dumps(marker)) < 300, marker
         assert (e["eventType"], e["db"], e["table"]) == ("CREATE_TABLE", "db", table)
@@ -123,4 +126,42 @@ def test_a_table_obj_at_the_request_limit_is_served_whole(make_daemon: MakeDaemo
     page = d.request("GET", f"/v1/events?from={r.json()['id']}&limit=1")
     assert page.status == 200, page
     assert page.json()["events"][0]["tableObj"] == table_obj
+    assert d.errors() == [], d.log()
+
+
+def test_a_rename_with_an_omitted_table_obj_is_still_a_rename(make_daemon: MakeDaemon) -> None:
+    """A rename stored by an older daemon with a tableObj over today's limits: the marker
+    served in its place keeps the new name and location, so the rename is recognised (a
+    database scope takes a table renamed into it) and resolve follows it to the files."""
+    from cmroot import checksum as cks
+    from cmroot.repl import dumpdir
+
+    d = make_daemon()
+    old, new = d.warehouse / "db.db" / "t", d.warehouse / "db2.db" / "t2"
+    new.mkdir(parents=True)
+    (new / "part-0").write_bytes(b"renamed bytes")
+    assert d.stop() == 0, d.log()
+    table_json = json.dumps({"db": "db2", "table": "t2", "location": str(new),
+                             "blob": "x" * HUGE})
+    meta = f'{{"location": {json.dumps(str(old))}, "tableObj": {table_json}}}'
+    con = sqlite3.connect(d.store / "index.sqlite", timeout=30)
+    try:
+        with con:
+            event_id = con.execute(
+                "INSERT INTO events (type, db, tbl, partitions, timestamp, server, purge, files,"
+                " meta) VALUES ('ALTER_TABLE', 'db', 't', '[]', 1700000000.0, 'old', 0, '[]', ?)",
+                (meta,),
+            ).lastrowid
+    finally:
+        con.close()
+    d.start()
+    c = d.client("admin")
+    [e] = c.events(event_id, 1)
+    assert e["tableObj"]["_cmroot"].startswith("tableObj omitted"), e["tableObj"]
+    assert dumpdir.renamed(e) == (("db", "t"), ("db2", "t2"))
+    [scoped] = [ok for _, ok in dumpdir.in_scope([e], "db2", None)]
+    assert scoped
+    [answer] = c.resolve([{"path": str(old / "part-0"),
+                           "checksum": cks.of_bytes(b"renamed bytes")}]).files
+    assert (answer.status, answer.location) == ("original", str(new / "part-0")), answer
     assert d.errors() == [], d.log()
