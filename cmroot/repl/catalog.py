@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from cmroot.exceptions import ReplError
 from cmroot.repl import tabledef
 from cmroot.repl.tabledef import literal, properties_sql, qualified, quote
 
@@ -114,8 +115,11 @@ class Destination:
 
     def warehouse(self) -> str:
         """The local directory of the session's warehouse."""
-        uri = self._jvm.java.net.URI(self.spark.conf.get("spark.sql.warehouse.dir"))
-        return str(uri.getPath() or uri.toString()).rstrip("/")
+        return _local(self._jvm.java.net.URI(self.spark.conf.get("spark.sql.warehouse.dir")))
+
+    def db_location(self, db: str) -> str:
+        """The local directory of a database."""
+        return _local(self._catalog().getDatabaseMetadata(db).locationUri())
 
     def drop_table(self, db: str, table: str) -> None:
         self.sql(f"DROP TABLE IF EXISTS {qualified(db, table)} PURGE")
@@ -180,8 +184,18 @@ def _partition_clause(spec: dict[str, str], keys: list[str], place: str | None) 
 
 
 def _local(uri: Any) -> str:
-    """The local path of a catalog location (a java.net.URI)."""
-    return str(uri.getPath()).rstrip("/")
+    """The local path of a catalog location (a java.net.URI). The load writes with local
+    file operations: a location on another filesystem is refused, never taken for the
+    local path of the same name."""
+    scheme = uri.getScheme()
+    if scheme not in (None, "file"):
+        raise ReplError(
+            "destination not on the local filesystem",
+            f"{uri.toString()}: cmroot repl load writes replicas into local (file:)"
+            " warehouses only; run the load with spark.sql.warehouse.dir (and the target"
+            " database's location) on a local path",
+        )
+    return str(uri.getPath() or "").rstrip("/")
 
 
 def _declared_type(field: Any) -> str:

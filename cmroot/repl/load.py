@@ -183,6 +183,10 @@ class Loader:
 
     def _run(self) -> LoadResult:
         h = self.dump.header
+        # Where the replica is written, checked before anything changes.
+        self.dest.warehouse()
+        if self.dest.has_db(self.db):
+            self.dest.db_location(self.db)
         self._check_replica()
         applied = _last_applied(self.dest, self.db, self.table)
         if applied is not None and applied >= h.last_event_id:

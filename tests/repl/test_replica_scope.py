@@ -5,8 +5,11 @@ created its table reruns. Each refusal leaves the destination as it was."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +122,43 @@ def test_a_table_outside_the_roots_is_refused_never_frozen(
     assert moved["load"]["kind"] == "ReplError", moved["load"]
     assert "outside the warehouse roots" in moved["load"]["error"]
     assert moved["rows"]["t"] == [[1]] and moved["status"] == first["status"]
+
+
+class _ViewFsDestination(Destination):
+    """A destination whose warehouse is on Hadoop's `viewfs` scheme (a real Hadoop
+    filesystem, mounted here on a local directory): not a `file:` warehouse."""
+
+    def __init__(self, base: Path) -> None:
+        super().__init__(base)
+        self.mount = f"/cmroot-viewfs-{uuid.uuid4().hex[:12]}"  # a path nobody has
+        self.real = base / "viewfs-backing"
+
+    def with_args(self) -> list[str]:
+        out = super().with_args()
+        for k, v in {"spark.sql.warehouse.dir": f"viewfs://cl{self.mount}/warehouse",
+                     f"spark.hadoop.fs.viewfs.mounttable.cl.link.{self.mount}":
+                         f"file://{self.real}"}.items():
+            out += ["--with", f"{k}={v}"]
+        return out
+
+
+def test_a_destination_warehouse_on_another_filesystem_is_refused(
+    source: Source, tmp_path: Path
+) -> None:
+    """The load writes with local file operations. A warehouse on another scheme used to
+    be taken for the local path of the same name: the files went to `/<mount>/warehouse/…`
+    on the local disk and the replica's tables, on the other filesystem, stayed empty. It is
+    refused now, before anything is created anywhere."""
+    start = source.daemon.current()
+    source.sql("CREATE DATABASE vw")
+    source.sql("CREATE TABLE vw.t (a INT) USING parquet")
+    source.sql("INSERT INTO vw.t VALUES (1)")
+    inc, _ = source.dump("vw", from_id=start)
+    dest = _ViewFsDestination(tmp_path / "destination")
+    res = dest.cli("load", "--from-dir", inc, check=False)
+    assert res.returncode != 0, res.stdout
+    assert "destination not on the local filesystem" in res.stderr, res.stderr[-3000:]
+    assert f"viewfs://cl{dest.mount}/warehouse" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not os.path.exists(dest.mount)
+    assert not (dest.real / "warehouse" / "vw.db").exists()
