@@ -53,6 +53,11 @@ class Destination:
     def tables(self, db: str) -> list[str]:
         return [t.name for t in self.spark.catalog.listTables(db) if not t.isTemporary]
 
+    def data_tables(self, db: str) -> list[str]:
+        """The tables of `db` that hold data (its views left out)."""
+        return [t.name for t in self.spark.catalog.listTables(db)
+                if not t.isTemporary and t.tableType != "VIEW"]
+
     def location(self, db: str, table: str) -> str:
         """The local directory of a table (cached until the table is dropped or renamed)."""
         key = (db, table)

@@ -350,6 +350,14 @@ def _take(
             if key not in places:  # SHOW PARTITIONS and the catalog disagree on a spec
                 raise ReplError("cannot read a partition's spec",
                                 f"{db}.{name}: partition {key} at {where}: dump again")
+            if (f"{loc}/").startswith(where + "/"):
+                raise ReplError(
+                    "partition at its table's own directory",
+                    f"{db}.{name} has partition {key} at {where}, which holds the table's"
+                    f" directory {loc} (and so every other partition): such a partition is"
+                    " not replicated; give it a directory of its own (ALTER TABLE ..."
+                    " PARTITION (...) SET LOCATION)",
+                )
             if not _recorded(spark, where):
                 raise ReplError(
                     "partition outside the warehouse roots",

@@ -332,7 +332,7 @@ class Loader:
         """Remove what a killed load left half-copied (hidden, never read as data)."""
         if not self.dest.has_db(self.db):
             return
-        tables = [self.table] if self.table else self.dest.tables(self.db)
+        tables = [self.table] if self.table else self.dest.data_tables(self.db)
         for t in tables:
             if not self.dest.has_table(self.db, t):
                 continue
@@ -480,11 +480,13 @@ class Loader:
         return self._mapped(e, src)
 
     def _outside_root(self) -> str:
-        """`<destination warehouse>/_external/<database>`: where this replica keeps what
-        lies outside its tables' own directories. By database, so two replicas of one
-        source in one warehouse never share a directory."""
+        """`<destination warehouse>/_external/<database>` (a one-table replica's:
+        `.../_external/<database>.<table>`; a database name has no dot): where this replica
+        keeps what lies outside its tables' own directories. Per replica, so two replicas
+        of one source in one warehouse never share a directory."""
         if self._outside is None:
-            self._outside = os.path.join(self.dest.warehouse(), EXTERNAL_DIR, self.db)
+            scope = self.db if self.table is None else f"{self.db}.{self.table}"
+            self._outside = os.path.join(self.dest.warehouse(), EXTERNAL_DIR, scope)
         return self._outside
 
     def _mapped(self, e: DumpEvent, path: str) -> str:
@@ -518,8 +520,6 @@ class Loader:
         location (a partition at its own location), below `_outside_root()`."""
         src_loc = self._src_location(e)
         base = self.dest.location(self.db, dst_table)
-        if path.rstrip("/") == src_loc:
-            return base
         if not path.startswith(src_loc + "/"):
             return self._mapped(e, path)
         dst = os.path.normpath(os.path.join(base, path[len(src_loc) + 1 :]))
@@ -536,8 +536,17 @@ class Loader:
         if e.partition_locations is None:
             return []
         base = self.dest.location(self.db, dst_table)
+        src_loc = self._src_location(e)
         out = []
         for spec, src in zip(e.partitions, e.partition_locations, strict=True):
+            if src is not None and (src_loc + "/").startswith(src.rstrip("/") + "/"):
+                raise ReplError(
+                    "partition at its table's own directory",
+                    f"event {e.id}: partition {spec} of {e.db}.{e.table} lies at {src}, which"
+                    f" holds the table's directory {src_loc} (and so every other partition):"
+                    " such a partition is not replicated; give it a directory of its own at"
+                    " the source (nothing of this event was applied)",
+                )
             if src is None:
                 raise ReplError(
                     "partition outside the warehouse roots",
@@ -628,8 +637,8 @@ class Loader:
             outside = self._outside_partitions(dst_table)
             self.dest.drop_table(self.db, dst_table)
             # Files a killed load placed before registering them are not the catalog's.
-            for d in [base, *outside]:
-                shutil.rmtree(d, ignore_errors=True)
+            shutil.rmtree(base, ignore_errors=True)
+            self._remove_dirs(set(outside))
         self._tables.discard(dst_table)
 
     def _outside_partitions(self, dst_table: str) -> list[str]:
@@ -652,19 +661,32 @@ class Loader:
         dirs |= {d for spec in specs
                  if (d := self.dest.partition_location(self.db, dst_table, spec)) is not None}
         self.dest.drop_partitions(self.db, dst_table, specs, keys)
-        self._remove_dirs(dst_table, dirs)
+        self._remove_dirs(dirs, dst_table)
 
-    def _remove_dirs(self, dst_table: str, dirs: set[str]) -> None:
-        """Remove what the replica holds in `dirs` (partitions it dropped or moved away
-        from), keeping the table's remaining partitions that lie inside one of them."""
-        base = self.dest.location(self.db, dst_table)
-        if all(d.startswith(base + "/") and os.path.basename(d).find("=") > 0 for d in dirs):
-            # Default places only (k=v below the table): nothing else lives inside them.
-            keep: set[str] = set()
+    def _remove_dirs(self, dirs: set[str], dst_table: str | None = None) -> None:
+        """Remove what the replica holds in `dirs` (partitions of `dst_table` it dropped
+        or moved away from; a dropped table's partitions kept outside it), keeping what the
+        replica still places inside them: the table's other partitions, and, below
+        `_outside_root()` (the one place where directories of different tables meet),
+        every other table's and partition's too."""
+        base = self.dest.location(self.db, dst_table) if dst_table else None
+        if base and all(d.startswith(base + "/") and "=" in os.path.basename(d)[1:]
+                        for d in dirs):
+            keep: set[str] = set()  # default places only (k=v below the table)
         else:
-            keep = set(self.dest.partition_locations(self.db, dst_table)) - dirs
+            root = self._outside_root()
+            shared = self.table is None and any(d.startswith(root + "/") for d in dirs)
+            tables = self.dest.data_tables(self.db) if shared else [dst_table] if dst_table else []
+            keep = {p for t in tables for p in self._placed(t)} - dirs
         for d in dirs:
             _clear(d, keep)
+
+    def _placed(self, table: str) -> set[str]:
+        """The directories a table of the replica occupies: its own, its partitions'."""
+        out = {self.dest.location(self.db, table)}
+        if self.dest.partition_columns(self.db, table):
+            out |= set(self.dest.partition_locations(self.db, table))
+        return out
 
     def _alter(self, e: DumpEvent) -> None:
         new = _known(e.table_obj, e)
@@ -786,7 +808,7 @@ class Loader:
             new = self._places.get(dst_table, {}).get(
                 spec_key(spec), os.path.join(base, tabledef.partition_dir(spec, keys)))
             moves.append((spec, self.dest.partition_location(self.db, dst_table, spec), new))
-        self._remove_dirs(dst_table, {d for _, old, new in moves for d in (old, new) if d})
+        self._remove_dirs({d for _, old, new in moves for d in (old, new) if d}, dst_table)
         for spec, old, new in moves:
             os.makedirs(new, exist_ok=True)
             if old is None:
