@@ -30,9 +30,10 @@ from cmroot.exceptions import (
     for_status,
 )
 
-# The daemon closes a kept-alive connection after 15 s of quiet (KEEPALIVE in
-# cmroot.server.main); one idle this long is not reused, so that a request is never
-# written into a connection the daemon is closing at that instant.
+# The daemon closes a kept-alive connection after server.keepalive_timeout of quiet (15 s
+# by default); one idle this long is not reused, so that a request is never written into
+# a connection the daemon is closing at that instant (one it closed sooner is seen closed
+# before reuse).
 POOL_IDLE = 10.0
 # The daemon's limit on pairs per resolve (cmroot.store.resolve.MAX_PAIRS, not imported:
 # executors load this module without the store).

@@ -101,6 +101,11 @@ class ServerConfig:
     # it serves there in open mode; empty: the daemon's own user and root.
     socket: str = ""
     socket_uids: tuple[int, ...] = ()
+    # Seconds an idle keep-alive connection (or one still sending its headers) is kept,
+    # a request body may stall, and an answer may sit untaken, before it is cut.
+    keepalive_timeout: float = 15.0
+    body_timeout: float = 15.0
+    send_timeout: float = 30.0
 
     @property
     def base_url(self) -> str:
@@ -285,6 +290,7 @@ def _build(raw: dict[str, dict[str, Any]], source: str) -> Config:
         max_body=max_body,
         socket=_socket_path(srv.get("socket", "")),
         socket_uids=tuple(_uid(u) for u in _listed(srv.get("socket_uids", []))),
+        **{key: _timeout(srv, key) for key in _TIMEOUTS},
     )
     if bool(server.tls_cert) != bool(server.tls_key):
         raise ConfigError("server.tls_cert and server.tls_key go together", "set both or neither")
@@ -301,6 +307,18 @@ def _build(raw: dict[str, dict[str, Any]], source: str) -> Config:
         auth=AuthConfig(tokens=tuple(str(t) for t in tokens)),
         source=source,
     )
+
+
+_TIMEOUTS = ("keepalive_timeout", "body_timeout", "send_timeout")
+
+
+def _timeout(srv: dict[str, Any], key: str) -> float:
+    """A server timeout: a duration of one second to one hour."""
+    default: float = getattr(ServerConfig, key)
+    seconds = parse_duration(srv.get(key, f"{default:g}s"), f"server.{key}")
+    if not 1 <= seconds <= 3600:
+        raise ConfigError(f"bad value for server.{key}", "give a duration from 1s to 1h")
+    return seconds
 
 
 # sun_path holds 108 bytes with its terminating NUL.

@@ -53,6 +53,18 @@ def test_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert c.index.path == ""
     assert c.index_path == os.path.join(c.store.root, "index.sqlite")
     assert c.auth.tokens == ()
+    assert (c.server.keepalive_timeout, c.server.body_timeout, c.server.send_timeout) == (
+        15, 15, 30)
+
+
+def test_server_timeouts(tmp_path: Path, roots: dict[str, str]) -> None:
+    f = write(tmp_path / "c.toml", '[server]\nkeepalive_timeout = "1m"\nsend_timeout = "2s"\n')
+    c = config.load(f, env={**roots, "CMROOT_SERVER_BODY_TIMEOUT": "5s"})
+    assert (c.server.keepalive_timeout, c.server.body_timeout, c.server.send_timeout) == (
+        60, 5, 2)
+    for value in ("0s", "2h", "15"):
+        msg = refusal(None, env={**roots, "CMROOT_SERVER_SEND_TIMEOUT": value})
+        assert "server.send_timeout" in msg, msg
 
 
 def test_load_reads_the_process_environment_when_env_is_not_given(

@@ -144,9 +144,11 @@ class Service:
         tokens: Tokens,
         registry: CollectorRegistry,
         workers: int | None = None,
+        send_timeout: float = 30.0,
     ) -> None:
         """`workers`, when given, is every class's thread count (small in-process tests)."""
         self.store = store
+        self.send_timeout = send_timeout  # server.send_timeout
         self.tokens = tokens
         self.registry = registry
         # prometheus_client adds a `_created` series to each counter and histogram, a
@@ -238,11 +240,10 @@ INLINE_MAX = 1 << 20  # files up to this size are served from memory, hashed as 
 # The last bytes of a sendfile'd response are held back until the descriptor's identity
 # is checked again: a file changed while it was sent is cut short, never completed.
 _HELD_BACK = 1 << 16
-# A download whose client takes nothing for this long is cut: each sendfile call of
-# SEND_CHUNK bytes must be done within SEND_IDLE seconds (a client reading less than
+# A download whose client takes nothing for server.send_timeout (30 s) is cut: each
+# sendfile call of SEND_CHUNK bytes must be done within it (a client reading less than
 # about 8 KiB/s is taken for one that stopped). Buffered writes (small files, JSON
 # answers) are watched by the connection's listener with the same timeout.
-SEND_IDLE = 30.0
 SEND_CHUNK = 1 << 18
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 
@@ -651,13 +652,14 @@ async def _send_fd(
     sent = 0
     f = io.FileIO(v.fd, "rb", closefd=False)
     try:
-        # A piece at a time, each bounded by SEND_IDLE: a client that stops reading
+        # A piece at a time, each bounded by the send timeout: a client that stops reading
         # would otherwise park this handler (and its place in the serve class) for ever.
         while sent < head:
             if transport.is_closing():  # asyncio's sendfile raises RuntimeError on it
                 raise ConnectionResetError("connection lost")
             n = min(SEND_CHUNK, head - sent)
-            await _sending(transport, loop.sendfile(transport, f, first + sent, n))
+            await _sending(transport, loop.sendfile(transport, f, first + sent, n),
+                           svc.send_timeout)
             sent += n
     except NotImplementedError:
         await _write_chunks(request, resp, v, first + sent, head - sent)
@@ -670,14 +672,14 @@ async def _send_fd(
     await resp.write(tail)
 
 
-async def _sending(transport: asyncio.Transport, sending: Awaitable[T]) -> T:
-    """`sending` (a write), or the connection aborted once it has waited SEND_IDLE
+async def _sending(transport: asyncio.Transport, sending: Awaitable[T], timeout: float) -> T:
+    """`sending` (a write), or the connection aborted once it has waited `timeout`
     seconds for the client: ConnectionResetError then, like any client that went away."""
     try:
-        return await asyncio.wait_for(sending, SEND_IDLE)
+        return await asyncio.wait_for(sending, timeout)
     except asyncio.TimeoutError:
         transport.abort()
-        raise ConnectionResetError(f"the client took nothing for {SEND_IDLE:g}s") from None
+        raise ConnectionResetError(f"the client took nothing for {timeout:g}s") from None
 
 
 async def _write_chunks(

@@ -33,7 +33,6 @@ from cmroot import config as cfg
 from cmroot.exceptions import ConfigError, Conflict
 from cmroot.server.app import (
     LIMITS,
-    SEND_IDLE,
     Handler,
     Service,
     create_app,
@@ -51,14 +50,14 @@ log = logging.getLogger("cmroot.server")
 SHUTDOWN_GRACE = 90.0
 SHUTDOWN_ABORT = 20.0
 MAX_REQUEST_LINE = 64 * 1024
-# An idle keep-alive connection, or one whose request headers have not all arrived, is
-# closed after this long (aiohttp starts the same timer at accept and after each answer).
-KEEPALIVE = 15.0
-BODY_IDLE = 15.0  # seconds a request body may stall before its read fails with 408
-# A body still arriving after BODY_IDLE must have come at this rate (bytes/s) on average:
-# one trickled a byte at a time would otherwise hold its place in a work class for ever.
+# server.keepalive_timeout: an idle keep-alive connection, or one whose request headers
+# have not all arrived, is closed after it (aiohttp starts the same timer at accept and
+# after each answer). server.body_timeout: a request body may stall this long before its
+# read fails with 408; one still arriving after it must have come at this rate (bytes/s)
+# on average: one trickled a byte at a time would otherwise hold its place in a work
+# class for ever.
 BODY_MIN_RATE = 16 << 10
-WRITE_WATCH_EVERY = 5.0  # seconds between looks for answers no client is taking
+WRITE_WATCH_EVERY = 5.0  # seconds between looks for answers no client is taking (at most)
 # Connections the kernel queues while the daemon is busy; asyncio also accepts up to this
 # many in one go, before the connection cap is looked at, so the cap leaves room for them.
 BACKLOG = 128
@@ -99,7 +98,8 @@ def serve(config: cfg.Config, host: str | None = None, port: int | None = None) 
     _ensure_default_dirs(config)
     notifier = Notifier()
     store = _open_store(config, notifier)
-    service = Service(store, tokens, CollectorRegistry())
+    service = Service(store, tokens, CollectorRegistry(),
+                      send_timeout=config.server.send_timeout)
     try:
         asyncio.run(_run(config, service, notifier))
     finally:
@@ -245,10 +245,13 @@ class _Listener:
     first, so they cannot lock out real requests; only when none is idle does a new
     connection get a 503. It also cuts connections whose answer no client takes."""
 
-    def __init__(self, runner: web.AppRunner, cap: int, options: dict[str, Any]) -> None:
+    def __init__(self, runner: web.AppRunner, cap: int, options: dict[str, Any],
+                 timeouts: cfg.ServerConfig) -> None:
         self.runner = runner
         self.cap = cap
         self.options = options  # the RequestHandler settings the runner was given
+        self.send_timeout = timeouts.send_timeout
+        self.body_timeout = timeouts.body_timeout
 
     def __call__(self) -> asyncio.BaseProtocol:
         server = self.runner.server
@@ -272,14 +275,15 @@ class _Listener:
         ]
 
     async def watch_writers(self) -> None:
-        """Abort connections whose buffered answer has not moved for SEND_IDLE seconds (a
+        """Abort connections whose buffered answer has not moved for the send timeout (a
         client that never reads): each would hold its answer in memory, and a connection
-        place, for ever. KEEPALIVE and BODY_IDLE never apply to a send. (A download's
-        sendfile has its own timeout: its bytes are not in this buffer.)"""
+        place, for ever. The keep-alive and body timeouts never apply to a send. (A
+        download's sendfile has its own timeout: its bytes are not in this buffer.)"""
         stalled: dict[web.RequestHandler, tuple[int, float]] = {}
         loop = asyncio.get_running_loop()
+        every = min(WRITE_WATCH_EVERY, self.send_timeout / 2)
         while True:
-            await asyncio.sleep(WRITE_WATCH_EVERY)
+            await asyncio.sleep(every)
             now = loop.time()
             still: dict[web.RequestHandler, tuple[int, float]] = {}
             for h, t in self._transports():
@@ -288,12 +292,12 @@ class _Listener:
                     continue
                 last = stalled.get(h)
                 since = last[1] if last is not None and last[0] == size else now
-                if now - since < SEND_IDLE:
+                if now - since < self.send_timeout:
                     still[h] = (size, since)
                     continue
                 log.info(
                     "cut a connection whose client took nothing of its answer",
-                    extra={"seconds": SEND_IDLE, "unsent": size},
+                    extra={"seconds": self.send_timeout, "unsent": size},
                 )
                 t.abort()
             stalled = still
@@ -310,7 +314,8 @@ class _Listener:
     async def watch_body(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Cuts the read of a request body that stalls or trickles (see _StallWatch)."""
         watch = (
-            None if request.content.is_eof() else _StallWatch(request.content, request.protocol)
+            None if request.content.is_eof()
+            else _StallWatch(request.content, request.protocol, self.body_timeout)
         )
         try:
             return await handler(request)
@@ -320,17 +325,18 @@ class _Listener:
 
 
 class _StallWatch:
-    """Fails the read of a request body (408) that stops arriving for BODY_IDLE seconds,
-    or that has come slower than BODY_MIN_RATE on average once BODY_IDLE has passed: a
-    client that withholds or trickles its body holds no handler (and no place in its
-    class of work) for ever."""
+    """Fails the read of a request body (408) that stops arriving for `timeout` seconds
+    (server.body_timeout), or that has come slower than BODY_MIN_RATE on average once
+    `timeout` has passed: a client that withholds or trickles its body holds no handler
+    (and no place in its class of work) for ever."""
 
-    def __init__(self, stream: StreamReader, conn: web.RequestHandler) -> None:
+    def __init__(self, stream: StreamReader, conn: web.RequestHandler, timeout: float) -> None:
         self.stream = stream
         self.conn = conn
+        self.timeout = timeout
         loop = asyncio.get_running_loop()
         self.start = loop.time()
-        self.handle = loop.call_later(BODY_IDLE, self._check, stream.total_bytes)
+        self.handle = loop.call_later(timeout, self._check, stream.total_bytes)
 
     def _check(self, seen: int) -> None:
         s = self.stream
@@ -338,11 +344,11 @@ class _StallWatch:
             return
         loop = asyncio.get_running_loop()
         if s.total_bytes == seen:
-            self._cut(f"no body bytes for {BODY_IDLE:g}s")
+            self._cut(f"no body bytes for {self.timeout:g}s")
         elif s.total_bytes < BODY_MIN_RATE * (loop.time() - self.start):
             self._cut(f"the body came slower than {BODY_MIN_RATE} bytes/s: send it at once")
         else:
-            self.handle = loop.call_later(BODY_IDLE, self._check, s.total_bytes)
+            self.handle = loop.call_later(self.timeout, self._check, s.total_bytes)
 
     def _cut(self, why: str) -> None:
         self.stream.set_exception(web.HTTPRequestTimeout(text=why))
@@ -573,7 +579,7 @@ async def _run(config: cfg.Config, service: Service, notifier: Notifier) -> None
         # GET /v1/files it can take several times that. aiohttp's default 8190-byte request
         # line would refuse it with a plain-text 400 before the API could answer.
         "max_line_size": MAX_REQUEST_LINE,
-        "keepalive_timeout": KEEPALIVE,
+        "keepalive_timeout": config.server.keepalive_timeout,
         # Compressed bodies are refused (415, app._guard) before they are read; left on,
         # the parser would inflate them as they arrive, before any handler could refuse.
         "auto_decompress": False,
@@ -581,7 +587,7 @@ async def _run(config: cfg.Config, service: Service, notifier: Notifier) -> None
     runner = web.AppRunner(
         app, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE, **options
     )
-    listener = _Listener(runner, _max_connections(), options)
+    listener = _Listener(runner, _max_connections(), options, config.server)
     app.middlewares.append(listener.watch_body)  # innermost: the API's errors answer a 408
     await runner.setup()
     tls = _ssl_context(config.server)

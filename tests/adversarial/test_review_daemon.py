@@ -34,10 +34,13 @@ from typing import Any
 import pytest
 
 from cmroot import checksum as cks
-from cmroot.server import main as server_main
 from cmroot.server.app import LIMITS
 from tests.server.cmroot_daemon import (
+    BODY_TIMEOUT,
+    FAST_TIMEOUTS,
+    KEEPALIVE,
     REPO,
+    SEND_TIMEOUT,
     Daemon,
     MakeDaemon,
     clean_env,
@@ -53,9 +56,9 @@ STOP_TIMEOUT = float(
         r"^TimeoutStopSec=(\d+)s$", (REPO / "systemd" / "cmrootd.service").read_text(), re.M
     ).group(1)
 )
-# The daemon's own timeouts: anything an attacker holds longer than these is held for ever.
-KEEPALIVE = float(getattr(server_main, "KEEPALIVE", 15.0))
-BODY_IDLE = float(getattr(server_main, "BODY_IDLE", 15.0))
+# The daemon's own timeouts (short ones, FAST_TIMEOUTS, where a test waits them out):
+# anything an attacker holds longer than these is held for ever.
+DEFAULT_KEEPALIVE = 15.0
 # A soft descriptor limit that gives the daemon a connection cap of 64 (see _max_connections).
 SMALL_NOFILE = 320
 BIG = 32 << 20  # bytes: more than the kernel buffers of one loopback connection hold
@@ -238,7 +241,7 @@ def test_a_hook_idle_past_the_keepalive_timeout_still_recycles(make_daemon: Make
     )
     failed_open = CmrootFileSystem.fail_open_count
     fs.rm(str(d.warehouse / "db.db/a"), recursive=True)
-    time.sleep(KEEPALIVE + 2)  # a quiet spell between two statements
+    time.sleep(DEFAULT_KEEPALIVE + 2)  # a quiet spell between two statements
     fs.rm(str(d.warehouse / "db.db/b"), recursive=True)
     pairs = [{"path": p, "checksum": cks.of_bytes(b)} for p, b in {**first, **second}.items()]
     statuses = {f.path: f.status for f in d.client("read").resolve(pairs).files}
@@ -292,12 +295,12 @@ def test_downloads_nobody_reads_do_not_hold_the_serve_class_for_ever(
     and never reads the answers: each handler waits in sendfile with no send timeout,
     stays admitted, and every other download, of any file by anyone (replication loads,
     `cmroot get`), is 503 "too many serve requests" for as long as the holder likes:
-    KEEPALIVE and BODY_IDLE never apply to a send. (Over TCP each stalled answer also
+    the keep-alive and body timeouts never apply to a send. (Over TCP each stalled answer also
     pins up to 4 MiB of kernel buffer; the test goes over the Unix socket to stay small.)
     Issue 10: hostile clients never cost availability; bounded queues are meant to shed
     load, not to be held by one token. Expected: a send that makes no progress for a
     while is cut and its place freed."""
-    d = make_daemon(env={"CMROOT_SERVER_SOCKET": str(sock_path)})
+    d = make_daemon(env={"CMROOT_SERVER_SOCKET": str(sock_path), **FAST_TIMEOUTS})
     (big,) = write_files(d.warehouse, {"db.db/big/f": os.urandom(1 << 20) * 8})
     (small,) = write_files(d.warehouse, {"db.db/small/f": b"anyone's download"})
     url = d.files_url(big, cks.of_local_file(big))
@@ -312,13 +315,14 @@ def test_downloads_nobody_reads_do_not_hold_the_serve_class_for_ever(
                 f"Authorization: Bearer {d.tokens['read']}\r\n\r\n".encode()
             )
             socks.append(s)
-        time.sleep(KEEPALIVE + BODY_IDLE + 5)  # every timeout the daemon has, and more
+        waited = KEEPALIVE + BODY_TIMEOUT + SEND_TIMEOUT + 3  # every timeout it has, and more
+        time.sleep(waited)
         r = d.request("GET", d.files_url(small, cks.of_bytes(b"anyone's download")),
                       scope="read")
     finally:
         _close_all(socks)
     assert r.status == 200, (
-        f"{KEEPALIVE + BODY_IDLE + 5:.0f}s after {len(socks)} downloads stopped being "
+        f"{waited:.0f}s after {len(socks)} downloads stopped being "
         f"read, another download answers {r}"
     )
 
@@ -326,16 +330,16 @@ def test_downloads_nobody_reads_do_not_hold_the_serve_class_for_ever(
 def test_trickled_bodies_do_not_hold_the_resolve_class_for_ever(
     make_daemon: MakeDaemon,
 ) -> None:
-    """`_StallWatch` fails a body only when *no* byte arrived for BODY_IDLE seconds. A
+    """`_StallWatch` fails a body only when *no* byte arrived for the body timeout. A
     read-token holder sends POST /v1/resolve with Content-Length: 100000 on as many
-    connections as the resolve class admits (16), then one byte per connection every
-    5 s: the watch never fires, the 16 places stay taken, and every resolve of every
+    connections as the resolve class admits (16), then one byte per connection more often
+    than that timeout: the watch never fires, the 16 places stay taken, and every resolve of every
     replication load is 503 "too many resolve requests" for as long as the trickle
     lasts (the client's busy wait gives up after 30 s). Issue 10: "a header/body read
     timeout"; slow-loris clients must not cost availability. Expected: a body must
     arrive within a total deadline (or at a minimum rate), so a trickle is cut like a
     stall and its place freed."""
-    d = make_daemon()
+    d = make_daemon(env=FAST_TIMEOUTS)
     (path,) = write_files(d.warehouse, {"db.db/t/f": b"resolvable"})
     head = (
         b"POST /v1/resolve HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -350,7 +354,7 @@ def test_trickled_bodies_do_not_hold_the_resolve_class_for_ever(
     stop = threading.Event()
 
     def trickle() -> None:
-        while not stop.wait(5.0):
+        while not stop.wait(BODY_TIMEOUT / 3):
             for s in socks:
                 with contextlib.suppress(OSError):
                     s.send(b" ")
@@ -358,7 +362,7 @@ def test_trickled_bodies_do_not_hold_the_resolve_class_for_ever(
     t = threading.Thread(target=trickle, daemon=True)
     t.start()
     try:
-        time.sleep(3 * BODY_IDLE)
+        time.sleep(3 * BODY_TIMEOUT)
         body = {"files": [{"path": path, "checksum": cks.of_bytes(b"resolvable")}]}
         r = d.request("POST", "/v1/resolve", body, scope="read")
     finally:
@@ -366,7 +370,8 @@ def test_trickled_bodies_do_not_hold_the_resolve_class_for_ever(
         t.join(10)
         _close_all(socks)
     assert r.status == 200, (
-        f"after {3 * BODY_IDLE:.0f}s of {len(socks)} bodies trickled at one byte per 5 s, "
+        f"after {3 * BODY_TIMEOUT:.0f}s of {len(socks)} bodies trickled at one byte per"
+        f" {BODY_TIMEOUT / 3:g} s, "
         f"a resolve answers {r}"
     )
 

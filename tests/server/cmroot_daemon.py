@@ -31,6 +31,14 @@ REPO = Path(__file__).resolve().parents[2]
 # The `make_daemon` fixture's type: make_daemon(name="d", start=True, **Daemon kwargs).
 MakeDaemon = Callable[..., "Daemon"]
 SCOPES = ("read", "write", "admin")
+# Short server timeouts (server.keepalive_timeout, body_timeout, send_timeout; 15 s, 15 s
+# and 30 s by default) for the tests that wait them out: `make_daemon(env=FAST_TIMEOUTS)`.
+KEEPALIVE, BODY_TIMEOUT, SEND_TIMEOUT = 3.0, 3.0, 4.0
+FAST_TIMEOUTS = {
+    "CMROOT_SERVER_KEEPALIVE_TIMEOUT": f"{KEEPALIVE:g}s",
+    "CMROOT_SERVER_BODY_TIMEOUT": f"{BODY_TIMEOUT:g}s",
+    "CMROOT_SERVER_SEND_TIMEOUT": f"{SEND_TIMEOUT:g}s",
+}
 # Tables whose rows are the store's state (the checksum cache is advisory and left out).
 STATE_TABLES = ("objects", "entries", "events", "txs", "journal")
 

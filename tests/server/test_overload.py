@@ -16,9 +16,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from cmroot.server.app import SEND_IDLE
 from cmroot.server.main import WRITE_WATCH_EVERY
-from tests.server.cmroot_daemon import Daemon, MakeDaemon, write_files
+from tests.server.cmroot_daemon import (
+    FAST_TIMEOUTS,
+    SEND_TIMEOUT,
+    Daemon,
+    MakeDaemon,
+    write_files,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -62,8 +67,8 @@ class _Loris(threading.Thread):
                         s.send(bytes([byte]))
                     except OSError:
                         self.cut.add(i)
-            if self.stop.wait(self.pause):
-                return
+            if len(self.cut) == len(self.socks) or self.stop.wait(self.pause):
+                return  # every one cut, or told to stop
 
 
 def _recycle_one(d: Daemon, name: str) -> None:
@@ -131,7 +136,7 @@ def test_connection_cap_under_a_low_descriptor_limit(
 def test_unfinished_headers_and_stalled_bodies_are_cut_off(make_daemon: MakeDaemon) -> None:
     """Headers trickled for longer than the keep-alive timeout get the connection closed;
     a body that stops arriving is answered 408 instead of holding a handler for ever."""
-    d = make_daemon()
+    d = make_daemon(env=FAST_TIMEOUTS)
     loris = _Loris(_connect(d, 1), pause=1.0)  # 4,000 bytes: over an hour of headers
     loris.start()
     stalled = socket.create_connection(("127.0.0.1", d.port), timeout=60)
@@ -154,9 +159,9 @@ def test_unfinished_headers_and_stalled_bodies_are_cut_off(make_daemon: MakeDaem
 
 def test_an_answer_nobody_reads_is_cut(make_daemon: MakeDaemon) -> None:
     """A resolve answer of several MiB whose client never reads it: once nothing of it has
-    moved for SEND_IDLE the connection is aborted, instead of the answer sitting in the
-    daemon's memory (and holding a connection place) for as long as the client likes."""
-    d = make_daemon()
+    moved for the send timeout the connection is aborted, instead of the answer sitting in
+    the daemon's memory (and holding a connection place) for as long as the client likes."""
+    d = make_daemon(env=FAST_TIMEOUTS)
     deep = "/".join(["d" * 200] * 15)  # 3,000 characters, within the path limits
     pairs = [
         {"path": str(d.warehouse / "db.db" / deep / f"f{i}"), "checksum": "0" * 32}
@@ -173,7 +178,7 @@ def test_an_answer_nobody_reads_is_cut(make_daemon: MakeDaemon) -> None:
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        deadline = time.monotonic() + SEND_IDLE + 3 * WRITE_WATCH_EVERY
+        deadline = time.monotonic() + SEND_TIMEOUT + 3 * WRITE_WATCH_EVERY
         while not any(r["msg"].startswith("cut a connection") for r in d.log_records()):
             assert time.monotonic() < deadline, "the unread answer is still held"
             time.sleep(1)
