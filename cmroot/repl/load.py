@@ -623,63 +623,48 @@ class Loader:
         dst_table = self._dst_table(e)
         if not self.dest.has_table(self.db, dst_table):
             return
-        for f in e.files:
-            try:
-                os.unlink(self._dst_path(e, dst_table, f["path"]))
-            except FileNotFoundError:
-                pass
+        self._unlink(e, dst_table)
         self.dest.refresh(self.db, dst_table)
 
+    def _unlink(self, e: DumpEvent, dst_table: str) -> None:
+        """Remove the replica's copies of what the source removed (the event's files)."""
+        for f in e.files:
+            with suppress(FileNotFoundError):
+                os.unlink(self._dst_path(e, dst_table, f["path"]))
+
+    # A drop removes on the replica what it removed at the source, nothing more: a managed
+    # table's (or partition's) directory goes with it in the replica's catalog as at the
+    # source (a managed drop's files are in its event too); an external one's files stay
+    # where they are, as the source's do, with whatever else lies inside them (another
+    # table's partitions, a partition renamed into the same place). A place taken again
+    # later holds exactly what that event lists (`_make_exact`).
     def _drop_table(self, e: DumpEvent) -> None:
         dst_table = self._dst_table(e)
         if self.dest.has_table(self.db, dst_table):
-            base = self.dest.location(self.db, dst_table)
-            outside = self._outside_partitions(dst_table)
             self.dest.drop_table(self.db, dst_table)
-            # Files a killed load placed before registering them are not the catalog's.
-            shutil.rmtree(base, ignore_errors=True)
-            self._remove_dirs(set(outside))
         self._tables.discard(dst_table)
-
-    def _outside_partitions(self, dst_table: str) -> list[str]:
-        """The directories of the table's partitions kept below `_outside_root()` (the
-        partitions are listed only when that directory exists)."""
-        root = self._outside_root()
-        if not os.path.isdir(root) or not self.dest.partition_columns(self.db, dst_table):
-            return []
-        return [d for d in self.dest.partition_locations(self.db, dst_table)
-                if d.startswith(root + "/")]
 
     def _drop_partitions(self, e: DumpEvent) -> None:
         dst_table = self._dst_table(e)
         if not self.dest.has_table(self.db, dst_table):
             return
-        keys = self._keys(e)
+        self._unlink(e, dst_table)
         specs = [s for s in e.partitions if s]
-        base = self.dest.location(self.db, dst_table)
-        dirs = {os.path.join(base, tabledef.partition_dir(spec, keys)) for spec in specs}
-        dirs |= {d for spec in specs
-                 if (d := self.dest.partition_location(self.db, dst_table, spec)) is not None}
-        self.dest.drop_partitions(self.db, dst_table, specs, keys)
-        self._remove_dirs(dirs, dst_table)
+        self.dest.drop_partitions(self.db, dst_table, specs, self._keys(e))
 
-    def _remove_dirs(self, dirs: set[str], dst_table: str | None = None) -> None:
-        """Remove what the replica holds in `dirs` (partitions of `dst_table` it dropped
-        or moved away from; a dropped table's partitions kept outside it), keeping what the
-        replica still places inside them: the table's other partitions, and, below
-        `_outside_root()` (the one place where directories of different tables meet),
-        every other table's and partition's too."""
-        base = self.dest.location(self.db, dst_table) if dst_table else None
-        if base and all(d.startswith(base + "/") and "=" in os.path.basename(d)[1:]
-                        for d in dirs):
-            keep: set[str] = set()  # default places only (k=v below the table)
-        else:
-            root = self._outside_root()
-            shared = self.table is None and any(d.startswith(root + "/") for d in dirs)
-            tables = self.dest.data_tables(self.db) if shared else [dst_table] if dst_table else []
-            keep = {p for t in tables for p in self._placed(t)} - dirs
-        for d in dirs:
-            _clear(d, keep)
+    def _make_exact(self, top: str, dst_table: str, e: DumpEvent,
+                    moving: frozenset[str] | set[str] = frozenset()) -> None:
+        """Make the replica's `top`, a place `e` (re)assigns, hold no data file the event
+        does not list there, leaving alone the places inside it that something else of the
+        replica still occupies (the table's other partitions and, below `_outside_root()`,
+        the one place where directories of different tables meet, every table's), other
+        than those `moving` away."""
+        root = self._outside_root()
+        shared = self.table is None and top.startswith(root + "/")
+        tables = self.dest.data_tables(self.db) if shared else [dst_table]
+        keep = {p for t in tables for p in self._placed(t)} - moving - {top}
+        listed = {self._dst_path(e, dst_table, f["path"]) for f in e.files}
+        _clear(top, keep, listed)
 
     def _placed(self, table: str) -> set[str]:
         """The directories a table of the replica occupies: its own, its partitions'."""
@@ -779,20 +764,14 @@ class Loader:
         base = self.dest.location(self.db, dst_table)
         if tabledef.partition_columns(self._definition(e) or {}):
             return  # the partitions keep their locations: nothing moved with the table
-        for name in os.listdir(base) if os.path.isdir(base) else []:
-            if not name.startswith((".", "_", TEMP_PREFIX)):
-                path = os.path.join(base, name)
-                if os.path.isdir(path):
-                    shutil.rmtree(path)
-                else:
-                    os.unlink(path)
+        self._make_exact(base, dst_table, e)
         self._add(e)
         self.dest.refresh(self.db, dst_table)
 
     def _move_partitions(self, e: DumpEvent, dst_table: str) -> None:
         """Partitions given new locations at the source (ALTER_LOCATION with partitions): on
         the replica each moves to where its new location maps, holding exactly what the
-        event lists there; the replica's copy at the old place goes."""
+        event lists there. What was at the old place stays, as it does at the source."""
         if e.partition_locations is None:
             raise ReplError(
                 "partition moved without its location",
@@ -808,7 +787,9 @@ class Loader:
             new = self._places.get(dst_table, {}).get(
                 spec_key(spec), os.path.join(base, tabledef.partition_dir(spec, keys)))
             moves.append((spec, self.dest.partition_location(self.db, dst_table, spec), new))
-        self._remove_dirs({d for _, old, new in moves for d in (old, new) if d}, dst_table)
+        olds = {old for _, old, _ in moves if old}
+        for new in {new for _, _, new in moves}:
+            self._make_exact(new, dst_table, e, olds)
         for spec, old, new in moves:
             os.makedirs(new, exist_ok=True)
             if old is None:
@@ -983,14 +964,10 @@ def _sweep(top: str) -> None:
                 os.unlink(os.path.join(root, f))
 
 
-def _clear(top: str, keep: set[str]) -> None:
-    """Remove `top` and what it holds, except the directories in `keep` (and the way to
-    them)."""
+def _clear(top: str, keep: set[str], listed: set[str]) -> None:
+    """Remove the data files below `top` that are not `listed`, leaving alone the
+    directories in `keep` and hidden names (temporaries are swept on their own)."""
     if top in keep:
-        return
-    inside = [k for k in keep if k.startswith(top + "/")]
-    if not inside:
-        shutil.rmtree(top, ignore_errors=True)
         return
     try:
         names = os.listdir(top)
@@ -998,9 +975,11 @@ def _clear(top: str, keep: set[str]) -> None:
         return
     for name in names:
         path = os.path.join(top, name)
+        if name.startswith((".", "_")):
+            continue
         if os.path.isdir(path) and not os.path.islink(path):
-            _clear(path, set(inside))
-        else:
+            _clear(path, keep, listed)
+        elif path not in listed:
             with suppress(FileNotFoundError):
                 os.unlink(path)
 

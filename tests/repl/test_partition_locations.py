@@ -90,12 +90,14 @@ def test_partitions_with_their_own_locations_replicate(
     assert _location(first, "t1 at").endswith("/plc.db/t/p=1")
     assert _location(second, "t1 at") == f"{ext}/plc{own}/t1"
     assert _location(second, "t2 at") == f"{ext}/plc{own}/t2b"
-    # What the replica held at the places it left is gone; each place holds what the
-    # source's does.
-    assert not (ext / f"plc{own}" / "t2").exists()
-    assert not (destination.warehouse / "plc.db" / "t" / "p=1").exists()
-    for name in ("t1", "t2b", "h1"):
+    # Each place holds what the source's does: the dropped managed partition's files are
+    # gone, those at the place a partition moved away from stay (as at the source).
+    for name in ("t1", "t2", "t2b", "h1"):
         assert _data_files(ext / f"plc{own}" / name) == _data_files(own / name), name
+    assert not _data_files(own / "t2")
+    old = source.warehouse / "plc.db" / "t" / "p=1"
+    assert _data_files(destination.warehouse / "plc.db" / "t" / "p=1") == _data_files(old)
+    assert _data_files(old)
 
 
 def test_a_partition_outside_the_roots_is_refused(

@@ -197,6 +197,21 @@ public final class Cmroot {
   }
 
   /**
+   * The local path of a partition's metastore location, which reaches the metastore spelt
+   * two ways: as a URI (a value's escaped directory name `s=x%3Dy` written `s=x%253Dy`) or
+   * as a Hadoop path string (`s=x%3Dy` as is). The URI reading, unless only the other names
+   * a directory that exists.
+   */
+  static String existingLocalPath(String loc) {
+    String p = localPath(loc);
+    if (p == null || new File(p).exists() || !loc.startsWith("file:")) {
+      return p;
+    }
+    String raw = localPath(loc.substring("file:".length()));
+    return raw != null && new File(raw).exists() ? raw : p;
+  }
+
+  /**
    * `p` with its symlinks resolved: the real path of its longest existing prefix, then the
    * rest as named. Without `followLast` its last component stays as named (a delete of a
    * symlink removes the link, not its target). Paths are compared, and sent to the daemon,

@@ -209,7 +209,7 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
   }
 
   private static String partitionLocation(Partition p) {
-    return p.getSd() == null ? null : Cmroot.localPath(p.getSd().getLocation());
+    return p.getSd() == null ? null : Cmroot.existingLocalPath(p.getSd().getLocation());
   }
 
   @Override
@@ -227,7 +227,7 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     while (it.hasNext()) {
       Partition p = it.next();
       parts.add(CmrootMetastoreListener.spec(t, p));
-      String dir = p.getSd() == null ? null : Cmroot.localPath(p.getSd().getLocation());
+      String dir = partitionLocation(p);
       dirs.add(String.valueOf(dir));
       if (Cmroot.protectedLocation(dir, s)) {
         files.addAll(Cmroot.dataFiles(new File(dir), true, null));
