@@ -690,6 +690,14 @@ class FakeDest:
     def tables(self, db: str) -> list[str]:
         return [t for d, t in self.tbls if d == db]
 
+    data_tables = tables
+
+    def warehouse(self) -> str:
+        return str(self.root)
+
+    def db_location(self, db: str) -> str:
+        return str(self.root / f"{db}.db")
+
     def location(self, db: str, table: str) -> str:
         return str(self.root / f"{db}.db" / table)
 
