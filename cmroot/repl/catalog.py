@@ -130,6 +130,10 @@ class Destination:
         self.sql(f"DROP TABLE IF EXISTS {qualified(db, table)} PURGE")
         self._locations.pop((db, table), None)
 
+    def set_location(self, db: str, table: str, path: str) -> None:
+        self.sql(f"ALTER TABLE {qualified(db, table)} SET LOCATION {literal(path)}")
+        self._locations.pop((db, table), None)
+
     def rename_table(self, db: str, old: str, new: str) -> None:
         self.sql(f"ALTER TABLE {qualified(db, old)} RENAME TO {qualified(db, new)}")
         self._locations.pop((db, old), None)

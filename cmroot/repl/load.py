@@ -397,6 +397,8 @@ class Loader:
             self._alter(e)
         elif kind == "DROP_TABLE":
             self._flush(e.id)
+            if self.dest.has_table(self.db, self._dst_table(e)):
+                self._unlink(e, self._dst_table(e))
             self._drop_table(e)
         elif kind == "DROP_PARTITION":
             self._flush(e.id)
@@ -627,10 +629,13 @@ class Loader:
         self.dest.refresh(self.db, dst_table)
 
     def _unlink(self, e: DumpEvent, dst_table: str) -> None:
-        """Remove the replica's copies of what the source removed (the event's files)."""
+        """Remove the replica's copies of what the source removed (the event's files):
+        below the table, and where the replica keeps that source path for another table
+        (one whose partition lay inside this table's directory: its place is mapped)."""
         for f in e.files:
-            with suppress(FileNotFoundError):
-                os.unlink(self._dst_path(e, dst_table, f["path"]))
+            for copy in {self._dst_path(e, dst_table, f["path"]), self._mapped(e, f["path"])}:
+                with suppress(FileNotFoundError):
+                    os.unlink(copy)
 
     # A drop removes on the replica what it removed at the source, nothing more: a managed
     # table's (or partition's) directory goes with it in the replica's catalog as at the
@@ -743,8 +748,11 @@ class Loader:
 
     def _relocate(self, e: DumpEvent) -> None:
         """A table given a new location at the source (the recorded ALTER_LOCATION, with its
-        new definition): the replica keeps its own location and takes what the new one holds
-        (`e.files`, paths under `e.location`) in place of what it held."""
+        new definition): the replica of a managed table keeps its own location, that of an
+        external one moves to where the new location maps (what later takes the old place
+        at the source takes it on the replica too); either then holds what the new one
+        holds (`e.files`, paths under `e.location`). The old place stays as it was, as at
+        the source."""
         if e.location is None and not e.partitions:
             # The hook names the new location only when it records what happens there.
             raise ReplError(
@@ -761,8 +769,13 @@ class Loader:
         if e.partitions:
             self._move_partitions(e, dst_table)
             return
+        obj = self._definition(e) or {}
+        place = self._external_place(obj, e)
+        if place is not None and place != self.dest.location(self.db, dst_table):
+            os.makedirs(place, exist_ok=True)
+            self.dest.set_location(self.db, dst_table, place)
         base = self.dest.location(self.db, dst_table)
-        if tabledef.partition_columns(self._definition(e) or {}):
+        if tabledef.partition_columns(obj):
             return  # the partitions keep their locations: nothing moved with the table
         self._make_exact(base, dst_table, e)
         self._add(e)

@@ -155,8 +155,8 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     if (!e.getStatus() || !Cmroot.protectedLocation(loc, s) || before == null || after == null) {
       return;
     }
-    String was = partitionLocation(before);
-    String now = partitionLocation(after);
+    String was = partitionLocation(t, before);
+    String now = partitionLocation(t, after);
     CmrootStatement st = CmrootStatement.current();
     String key = CmrootMetastoreListener.dropKey(t, after.getValues());
     if (!before.getValues().equals(after.getValues())) {
@@ -208,8 +208,32 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     return out;
   }
 
-  private static String partitionLocation(Partition p) {
-    return p.getSd() == null ? null : Cmroot.existingLocalPath(p.getSd().getLocation());
+  /**
+   * A partition's directory. Its metastore location is spelt as a URI or as a Hadoop path
+   * (see Cmroot.existingLocalPath): the spelling that reads as the partition's default
+   * place (k=v/... below the table, escaped as Hive does) wins, since a partition's own
+   * value decoded may name another partition's directory.
+   */
+  private static String partitionLocation(Table t, Partition p) {
+    if (p.getSd() == null || p.getSd().getLocation() == null) {
+      return null;
+    }
+    String loc = p.getSd().getLocation();
+    String tableDir = location(t);
+    if (tableDir != null && p.getValues() != null) {
+      try {
+        String dflt = Cmroot.localPath(tableDir + "/"
+            + org.apache.hadoop.hive.metastore.Warehouse.makePartName(t.getPartitionKeys(),
+                p.getValues()));
+        String raw = loc.startsWith("file:") ? Cmroot.localPath(loc.substring(5)) : null;
+        if (dflt != null && (dflt.equals(Cmroot.localPath(loc)) || dflt.equals(raw))) {
+          return dflt;
+        }
+      } catch (MetaException | RuntimeException e) {
+        // no default place to compare with: read the location alone
+      }
+    }
+    return Cmroot.existingLocalPath(loc);
   }
 
   @Override
@@ -227,7 +251,7 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     while (it.hasNext()) {
       Partition p = it.next();
       parts.add(CmrootMetastoreListener.spec(t, p));
-      String dir = partitionLocation(p);
+      String dir = partitionLocation(t, p);
       dirs.add(String.valueOf(dir));
       if (Cmroot.protectedLocation(dir, s)) {
         files.addAll(Cmroot.dataFiles(new File(dir), true, null));
