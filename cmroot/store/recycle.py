@@ -434,15 +434,22 @@ class Recycler:
             for chunk in chunks:  # no thread hand-off for GIL-bound work
                 batch(chunk)
             return
+        batches = _Batches()
         pool = ThreadPoolExecutor(max_workers=workers)
         try:
-            for f in [pool.submit(batch, chunk) for chunk in chunks]:
+            futures = []
+            for chunk in chunks:
+                futures.append(pool.submit(batches.run, batch, chunk))
+            for f in futures:
                 f.result()
         except BaseException:
             failed.set()  # the other threads stop at their next file
             raise
         finally:
-            _join(pool, failed)
+            try:
+                batches.close_and_wait(failed)
+            finally:
+                pool.shutdown(wait=False, cancel_futures=True)  # idle threads exit
 
     def _stage(self, txid: str, it: Item, sessions: Sessions, ahead: _Ahead | None) -> None:
         session = sessions.open(it.root)
@@ -901,21 +908,48 @@ _CHANGED = frozenset(
 )
 
 
-def _join(pool: ThreadPoolExecutor, failed: threading.Event) -> None:
-    """Wait until every staging thread of `pool` has stopped, through interrupts too (a
-    Ctrl-C of an in-process caller lands in the waiting thread): the rollback that follows
-    a failure must never run while a thread still moves a file. An interrupt received
-    meanwhile is raised once they have."""
-    interrupted: BaseException | None = None
-    while True:
+class _Batches:
+    """The staging batches of one part, and the wait for them before a rollback. Not
+    `pool.shutdown(wait=True)`: an interrupt (a Ctrl-C of an in-process caller, which
+    lands in the waiting thread) can make it return while a thread still moves a file.
+    In the pool's thread start (inside `submit`) it leaves a running worker out of the
+    pool's threads; in `Thread.join` (CPython 3.11) it can mark a running thread stopped.
+    Here each batch counts itself in, and none starts once the wait began."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running = 0
+        self._closed = False
+
+    def run(self, fn: Callable[[list[Item]], None], chunk: list[Item]) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._running += 1
         try:
-            pool.shutdown(wait=True, cancel_futures=True)
-            break
-        except BaseException as e:
-            failed.set()
-            interrupted = interrupted or e
-    if interrupted is not None:
-        raise interrupted
+            fn(chunk)
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    def close_and_wait(self, failed: threading.Event) -> None:
+        """Start no more batches and wait for the running ones, through interrupts too:
+        the rollback that follows a failure must never run while a thread still moves a
+        file. An interrupt received meanwhile is raised once they have stopped."""
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                with self._cond:
+                    self._closed = True
+                    while self._running:
+                        self._cond.wait()
+                break
+            except BaseException as e:
+                failed.set()
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
 
 
 def _out_of_space(e: BaseException) -> bool:

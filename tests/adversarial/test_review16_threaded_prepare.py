@@ -516,3 +516,58 @@ def test_ctrl_c_during_a_threaded_prepare_loses_no_file(
     assert {p: Path(p).read_bytes() for p in files} == files
     assert stranded == []
     assert store.events() == []
+
+
+def test_an_interrupt_while_a_staging_thread_starts_loses_no_file(
+    env: Env, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failed in CI on f1ba27a..c67943a, about 1 run in 10 under load: the Ctrl-C of an
+    in-process caller landed while the pool started its second staging thread (inside
+    `submit`, in `Thread.start`). That thread was running, taking batches, but was never
+    added to the pool's threads, so `shutdown(wait=True)` did not wait for it and the
+    rollback ran while it still moved files: a warehouse file renamed into staging after
+    its put-back, then deleted with the staging directory. Deterministic here: the
+    interrupt is raised right after the second thread started, and that thread's first
+    rename waits (up to 5 s) for the rollback's last put-back. Expected: every file back
+    in place, nothing staged, no event."""
+    tdir, files = _deep(env)
+    go, done = threading.Event(), threading.Event()
+    late: dict[str, object] = {}
+    real_rename, real_start = os.rename, threading.Thread.start
+    started = {"n": 0}
+
+    def start(self: threading.Thread) -> None:
+        real_start(self)
+        if self.name.startswith("ThreadPoolExecutor"):
+            started["n"] += 1
+            if started["n"] == 2:
+                raise _Interrupted()
+
+    def rename(src, dst, *a, **kw):  # type: ignore[no-untyped-def]
+        second = threading.current_thread().name.endswith("_1")
+        if kw.get("src_dir_fd") is None or not second or "waited" in late:
+            return real_rename(src, dst, *a, **kw)
+        late["waited"] = go.wait(5)
+        try:
+            return real_rename(src, dst, *a, **kw)
+        finally:
+            done.set()
+
+    def last_put_back() -> None:
+        go.set()
+        done.wait(5)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    monkeypatch.setattr(os, "rename", rename)
+    on_point(monkeypatch, "journal.rolled_back_file", last_put_back, k=len(files))
+    with pytest.raises(_Interrupted):
+        store.prepare(_drop(tdir))
+    done.wait(5)
+    monkeypatch.undo()
+    left = sorted(p for p in files if not os.path.lexists(p))
+    stranded = [os.path.join(d, n) for d, _, ns in os.walk(env.staging_dir) for n in ns]
+    assert left == [], f"gone from the warehouse: {left}; in staging: {stranded}; {late}"
+    assert late.get("waited") is False, late  # the rollback waited for the thread
+    assert {p: Path(p).read_bytes() for p in files} == files
+    assert stranded == []
+    assert store.events() == []
