@@ -6,8 +6,10 @@ os-level wrappers, never with sleeps. One failed on b3729b1 (intermittently: the
 rename had to land on a reused descriptor): an interrupt of the waiting thread rolled the
 prepare back while staging threads still moved files, and the clean-up of the staging
 directory then deleted a warehouse file a thread had just staged. Fixed in
-`Recycler._stage_all` (`_join`: the threads are stopped and waited for, through further
-interrupts, before any rollback). The rest are guards that held."""
+`Recycler._stage_all` (the threads are stopped and waited for, through further
+interrupts, before any rollback: now `_Batches.close_and_wait`, since an interrupt during
+a thread's start escaped the pool's own wait; see the last test). The rest are guards
+that held."""
 
 from __future__ import annotations
 
@@ -442,7 +444,7 @@ def test_ctrl_c_during_a_threaded_prepare_loses_no_file(
     env: Env, store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Failed intermittently on b3729b1 (about 1 run in 4: it depended on descriptor-number
-    reuse); since `_join`, the rollback waits for the late rename, and all is put back.
+    reuse); since the rollback waits for the staging batches, all is put back.
     Sequence: an in-process (library/CLI) caller runs a 360-file prepare on its main
     thread; a staging thread is about to rename its next file (its directory descriptor
     in hand) when SIGINT arrives and KeyboardInterrupt is raised in the main thread,
