@@ -8,9 +8,7 @@ nothing; the daemon never 5xxs on bad partitionLocations and records nothing on 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +19,8 @@ from tests.repl.conftest import (  # noqa: F401
     Destination,
     Source,
     destination,
+    files_below,
+    load_ok,
     shared_destination,
     source,
 )
@@ -30,11 +30,6 @@ pytestmark = pytest.mark.timeout(900)
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def _files(top: Path) -> list[str]:
-    return sorted(os.path.relpath(os.path.join(d, f), top) for d, _, fs in os.walk(top)
-                  for f in fs if not f.startswith((".", "_")))
 
 
 _forged = 0
@@ -49,10 +44,6 @@ def _forge(src: Source, url: str, edit: Callable[[Dump], None]) -> str:
     out = str(src.base / "forged" / f"r17-{_forged}")
     dumpdir.write(out, d.header, d.events, d.tables)
     return out
-
-
-def _no_error(step: dict[str, Any]) -> None:
-    assert "error" not in step["load"], step["load"]
 
 
 # -- the daemon ------------------------------------------------------------------------------
@@ -126,11 +117,11 @@ def test_dropping_a_partition_keeps_another_tables_partition_inside_it(
         {"load": {"dump": inc2}},
         {"sql": ["REFRESH TABLE r17n.e", "REFRESH TABLE r17n.m"], "queries": q},
     )
-    _no_error(first)
-    _no_error(second)
+    load_ok(first)
+    load_ok(second)
     second["rows"] = refreshed["rows"]
     m1 = (destination.warehouse / "_external" / "r17n" / str(own / "x" / "m1").lstrip("/"))
-    assert _files(m1), f"the replica of r17n.m's p=1 ({m1}) lost its files"
+    assert files_below(m1), f"the replica of r17n.m's p=1 ({m1}) lost its files"
     assert now["m"] == [[2, 1]], now
     assert first["rows"] == then
     assert second["rows"] == now, (second["rows"], now)
@@ -162,12 +153,12 @@ def test_two_table_replicas_of_one_source_table_keep_their_own_partitions(
         {"sql": ["REFRESH TABLE r17d.a", "REFRESH TABLE r17d.b"], "queries": q},
     )
     # A one-table replica keeps what lies outside its table below `_external/<db>.<table>`.
-    held = _files(destination.warehouse / "_external" / "r17d.b")
-    gone = _files(destination.warehouse / "_external" / "r17d.a")
+    held = files_below(destination.warehouse / "_external" / "r17d.b")
+    gone = files_below(destination.warehouse / "_external" / "r17d.a")
     one, two, three = answers[:3]
     three["rows"] = answers[-1]["rows"]
     for step in (one, two, three):
-        _no_error(step)
+        load_ok(step)
     assert two["rows"] == {"a": [[1, 1], [2, 2]], "b": [[1, 1], [2, 2]]}
     assert three["partitions"] == {"r17d.a": ["p=1"], "r17d.b": ["p=1", "p=2"]}
     assert three["rows"]["a"] == [[1, 1]]
@@ -236,9 +227,9 @@ def test_forged_partition_locations_are_refused_and_change_nothing(
     answers = destination.run(*steps)
     ext = destination.warehouse / "_external" / "r17f"
     tdir = destination.warehouse / "r17f.db" / "t"
-    held = (_files(ext), _files(tdir))
+    held = (files_below(ext), files_below(tdir))
     first, refused = answers[0], dict(zip(forged, answers[1:], strict=True))
-    _no_error(first)
+    load_ok(first)
     assert first["rows"]["t"] == [[1, 1], [2, 2]]
     wrong = {}
     for name, step in refused.items():
@@ -246,10 +237,10 @@ def test_forged_partition_locations_are_refused_and_change_nothing(
             wrong[name] = ("accepted", step["load"], step["rows"], step["partitions"])
         elif step["rows"]["t"] != first["rows"]["t"] or step["partitions"] != first["partitions"]:
             wrong[name] = ("changed", step["rows"], step["partitions"])
-    assert (_files(ext), _files(tdir)) == held
+    assert (files_below(ext), files_below(tdir)) == held
     assert not wrong, wrong
     last, = destination.run({"load": {"dump": inc2}, **look})
-    _no_error(last)
+    load_ok(last)
     assert last["rows"]["t"] == [[1, 1], [2, 2], [3, 3]]
 
 
@@ -286,5 +277,5 @@ def test_dropping_an_outer_partition_leaves_the_replica_equal_to_the_source(
         {"load": {"dump": inc3}, "queries": q},
     )
     for step in answers:
-        _no_error(step)
+        load_ok(step)
     assert [s["rows"]["t"] for s in answers] == [then, mid, now]

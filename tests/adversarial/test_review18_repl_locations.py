@@ -11,10 +11,6 @@ rerun at any point ends where an uninterrupted load would."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-from typing import Any
-
 import pytest
 
 from cmroot.repl import dumpdir
@@ -22,25 +18,14 @@ from tests.repl.conftest import (  # noqa: F401
     Destination,
     Source,
     destination,
+    files_below,
     fresh_destination,
+    load_ok,
     shared_destination,
     source,
 )
 
 pytestmark = pytest.mark.timeout(900)
-
-
-def _files(top: Path) -> list[str]:
-    return sorted(os.path.relpath(os.path.join(d, f), top) for d, _, fs in os.walk(top)
-                  for f in fs if not f.startswith((".", "_")))
-
-
-def _no_error(step: dict[str, Any]) -> None:
-    assert "error" not in step["load"], step["load"]
-
-
-def _parts(src: Source, table: str) -> list[str]:
-    return sorted(r[0] for r in src.sql(f"SHOW PARTITIONS {table}"))
 
 
 # -- directories holding other partitions ----------------------------------------------------
@@ -74,12 +59,12 @@ def test_dropping_an_external_table_keeps_another_tables_partition_inside_it(
         {"load": {"dump": inc2}},
         {"sql": ["REFRESH TABLE r18x.m"], "queries": q},
     )
-    _no_error(first)
-    _no_error(second)
+    load_ok(first)
+    load_ok(second)
     assert first["rows"] == {"m": [[2, 1]], "e": [[1, 1]]}
     assert now == [[2, 1]]
     m1 = destination.warehouse / "_external" / "r18x" / str(own / "e" / "zz").lstrip("/")
-    assert after["rows"]["m"] == now, (after["rows"], _files(m1))
+    assert after["rows"]["m"] == now, (after["rows"], files_below(m1))
 
 
 def test_dropping_a_partition_of_an_external_table_keeps_its_partition_nested_in_it(
@@ -111,8 +96,8 @@ def test_dropping_a_partition_of_an_external_table_keeps_its_partition_nested_in
         {"load": {"dump": inc2}},
         {"sql": ["REFRESH TABLE r18y.t"], "queries": q, "partitions": ["r18y.t"]},
     )
-    _no_error(first)
-    _no_error(second)
+    load_ok(first)
+    load_ok(second)
     assert first["rows"]["t"] == then
     assert [2, 2] in now, now
     assert after["partitions"]["r18y.t"] == ["p=2"]
@@ -139,7 +124,7 @@ def test_renaming_a_partition_of_an_external_table_keeps_its_files(
     source.sql("INSERT INTO r18r.t PARTITION (p=5) VALUES (5)")
     source.sql("REFRESH TABLE r18r.t")
     now = source.rows("SELECT * FROM r18r.t")
-    parts = _parts(source, "r18r.t")
+    parts = source.partitions("r18r.t")
     inc2, _ = source.dump("r18r", from_id=h1.last_event_id)
     q = {"t": "SELECT * FROM r18r.t"}
     first, second, after = destination.run(
@@ -147,8 +132,8 @@ def test_renaming_a_partition_of_an_external_table_keeps_its_files(
         {"load": {"dump": inc2}},
         {"sql": ["REFRESH TABLE r18r.t"], "queries": q, "partitions": ["r18r.t"]},
     )
-    _no_error(first)
-    _no_error(second)
+    load_ok(first)
+    load_ok(second)
     assert first["rows"]["t"] == [[1, 1]]
     assert after["partitions"]["r18r.t"] == parts
     assert after["rows"]["t"] == now, (after["rows"], now)
@@ -189,7 +174,7 @@ def test_a_load_killed_among_partition_moves_and_drops_ends_equal_to_the_source(
     source.sql(f"ALTER TABLE r18k.t PARTITION (p=1) SET LOCATION '{default1}'")
     source.sql("REFRESH TABLE r18k.t")
     now = source.rows("SELECT * FROM r18k.t")
-    parts = _parts(source, "r18k.t")
+    parts = source.partitions("r18k.t")
     inc2, _ = source.dump("r18k", from_id=h1.last_event_id)
     events = dumpdir.read(inc2).events
     kinds = [e.type for e in events]
@@ -211,12 +196,12 @@ def test_a_load_killed_among_partition_moves_and_drops_ends_equal_to_the_source(
         {"load": {"dump": inc2}},
         {"sql": ["REFRESH TABLE r18k.t"], "queries": q, "partitions": ["r18k.t"]},
     )
-    _no_error(last)
+    load_ok(last)
     ext = d.warehouse / "_external" / "r18k" / str(own).lstrip("/")
     # Each place the partitions left holds what the source's does (a managed drop's
     # files went, a moved-away-from place keeps its files, as at the source).
-    differ = {n: (_files(ext / n), _files(own / n)) for n in ("a", "b", "c1")
-              if _files(ext / n) != _files(own / n)}
+    differ = {n: (files_below(ext / n), files_below(own / n)) for n in ("a", "b", "c1")
+              if files_below(ext / n) != files_below(own / n)}
     assert after["partitions"]["r18k.t"] == parts
     assert after["rows"]["t"] == now, (after["rows"], now)
     assert not differ, differ
@@ -253,11 +238,11 @@ def test_drop_database_cascade_leaves_another_replica_of_the_same_source(
         {"load": {"dump": inc2}, "queries": {**q, "dbs": "SHOW DATABASES LIKE 'r18d'"}},
     )
     for step in (one, two, three):
-        _no_error(step)
+        load_ok(step)
     assert two["rows"] == {"t": [[1, 1], [2, 2]], "e": [[7]]}
     assert three["rows"] == {**two["rows"], "dbs": []}
-    assert _files(destination.warehouse / "_external" / "r18e")
-    assert not _files(destination.warehouse / "_external" / "r18d")
+    assert files_below(destination.warehouse / "_external" / "r18e")
+    assert not files_below(destination.warehouse / "_external" / "r18d")
 
 
 def test_a_renamed_table_keeps_following_its_own_partitions(
@@ -291,7 +276,7 @@ def test_a_renamed_table_keeps_following_its_own_partitions(
     source.sql("INSERT INTO r18n.u PARTITION (p=2) VALUES (200)")
     source.sql("ALTER TABLE r18n.u DROP PARTITION (p=3)")
     now = source.rows("SELECT * FROM r18n.u")
-    parts = _parts(source, "r18n.u")
+    parts = source.partitions("r18n.u")
     inc3, _ = source.dump("r18n", from_id=h2.last_event_id)
     boot, _ = source.dump("r18n")
     q = {"u": "SELECT * FROM r18n.u"}
@@ -307,7 +292,7 @@ def test_a_renamed_table_keeps_following_its_own_partitions(
     )
     first, second, third, after, booted = answers
     for step in (first, second, third, booted):
-        _no_error(step)
+        load_ok(step)
     assert first["rows"]["t"] == then
     assert second["rows"]["u"] == mid
     assert [r[1] for r in second["rows"]["tables"]] == ["u"]
@@ -315,7 +300,7 @@ def test_a_renamed_table_keeps_following_its_own_partitions(
     assert after["rows"]["u"] == now, (after["rows"]["u"], now)
     assert booted["rows"]["u"] == now and booted["partitions"]["r18nb.u"] == parts
     old = destination.warehouse / "_external" / "r18n" / str(own / "t2").lstrip("/")
-    assert not _files(old), _files(old)
+    assert not files_below(old), files_below(old)
 
 
 # -- writes ----------------------------------------------------------------------------------
@@ -355,7 +340,7 @@ def test_overwrites_and_dynamic_inserts_into_partitions_at_their_own_locations(
     for t in ("d", "h"):
         source.sql(f"REFRESH TABLE r18w.{t}")
     now = {t: source.rows(f"SELECT * FROM r18w.{t}") for t in ("d", "h")}
-    parts = {f"r18w.{t}": _parts(source, f"r18w.{t}") for t in ("d", "h")}
+    parts = {f"r18w.{t}": source.partitions(f"r18w.{t}") for t in ("d", "h")}
     inc2, _ = source.dump("r18w", from_id=h1.last_event_id)
     q = {t: f"SELECT * FROM r18w.{t}" for t in ("d", "h")}
     first, second, after = destination.run(
@@ -364,14 +349,14 @@ def test_overwrites_and_dynamic_inserts_into_partitions_at_their_own_locations(
         {"sql": ["REFRESH TABLE r18w.d", "REFRESH TABLE r18w.h"], "queries": q,
          "partitions": list(parts)},
     )
-    _no_error(first)
-    _no_error(second)
+    load_ok(first)
+    load_ok(second)
     assert first["rows"] == then
     assert after["partitions"] == parts
     assert after["rows"] == now, (after["rows"], now)
     ext = destination.warehouse / "_external" / "r18w" / str(own).lstrip("/")
     for t in ("d", "h"):
-        assert len(_files(ext / f"{t}2")) == len(_files(own / f"{t}2")), t
+        assert len(files_below(ext / f"{t}2")) == len(files_below(own / f"{t}2")), t
 
 
 def test_special_characters_in_partition_values_and_own_locations(
@@ -412,7 +397,7 @@ def test_special_characters_in_partition_values_and_own_locations(
     source.sql("INSERT INTO r18c.t PARTITION (s='7%') VALUES (102)")
     source.sql("REFRESH TABLE r18c.t")
     now = source.rows("SELECT * FROM r18c.t")
-    parts = _parts(source, "r18c.t")
+    parts = source.partitions("r18c.t")
     inc2, _ = source.dump("r18c", from_id=h1.last_event_id)
     boot, _ = source.dump("r18c")
     q = {"t": "SELECT * FROM r18c.t"}
@@ -423,12 +408,12 @@ def test_special_characters_in_partition_values_and_own_locations(
         {"load": {"dump": boot, "target": "r18cb"}, "queries": {"t": "SELECT * FROM r18cb.t"},
          "partitions": ["r18cb.t"]},
     )
-    _no_error(first)
+    load_ok(first)
     assert first["rows"]["t"] == then, (first["rows"], then)
-    _no_error(second)
+    load_ok(second)
     assert after["partitions"]["r18c.t"] == parts
     assert after["rows"]["t"] == now, (after["rows"], now)
-    _no_error(booted)
+    load_ok(booted)
     assert booted["rows"]["t"] == now and booted["partitions"]["r18cb.t"] == parts
 
 
@@ -456,7 +441,7 @@ def test_msck_repair_of_a_table_with_partitions_at_their_own_locations(
     source.sql("INSERT INTO r18m.t PARTITION (p=2) VALUES (20)")
     source.sql("REFRESH TABLE r18m.t")
     now = source.rows("SELECT * FROM r18m.t")
-    parts = _parts(source, "r18m.t")
+    parts = source.partitions("r18m.t")
     inc2, _ = source.dump("r18m", from_id=h1.last_event_id)
     q = {"t": "SELECT * FROM r18m.t"}
     first, second, after = destination.run(
@@ -464,10 +449,11 @@ def test_msck_repair_of_a_table_with_partitions_at_their_own_locations(
         {"load": {"dump": inc2}},
         {"sql": ["REFRESH TABLE r18m.t"], "queries": q, "partitions": ["r18m.t"]},
     )
-    _no_error(first)
-    _no_error(second)
+    load_ok(first)
+    load_ok(second)
     assert first["rows"]["t"] == then
     assert after["partitions"]["r18m.t"] == parts
     assert after["rows"]["t"] == now, (after["rows"], now)
     old = destination.warehouse / "_external" / "r18m" / str(own / "x2").lstrip("/")
-    assert _files(old) == _files(own / "x2")  # an external drop leaves the files, there too
+    # An external drop leaves the files, there too.
+    assert files_below(old) == files_below(own / "x2")

@@ -21,25 +21,14 @@ from tests.repl.conftest import (  # noqa: F401
     Destination,
     Source,
     destination,
+    files_below,
     fresh_destination,
+    load_ok,
     shared_destination,
     source,
 )
 
 pytestmark = pytest.mark.timeout(900)
-
-
-def _files(top: Path) -> list[str]:
-    return sorted(os.path.relpath(os.path.join(d, f), top) for d, _, fs in os.walk(top)
-                  for f in fs if not f.startswith((".", "_")))
-
-
-def _no_error(step: dict[str, Any]) -> None:
-    assert "error" not in step["load"], step["load"]
-
-
-def _parts(src: Source, table: str) -> list[str]:
-    return sorted(r[0] for r in src.sql(f"SHOW PARTITIONS {table}"))
 
 
 def _events(src: Source, start: int, db: str) -> list[dict[str, Any]]:
@@ -84,10 +73,10 @@ def test_dropping_a_managed_table_takes_another_tables_partition_nested_in_it(
         {"load": {"dump": inc2}},
         {"sql": ["REFRESH TABLE r19a.m"], "queries": q},
     )
-    _no_error(first)
-    _no_error(second)
+    load_ok(first)
+    load_ok(second)
     assert first["rows"]["m"] == then == [[2, 1]]
-    assert not (tdir / "zz").exists() or not _files(tdir / "zz")
+    assert not (tdir / "zz").exists() or not files_below(tdir / "zz")
     assert after["rows"]["m"] == now, (after["rows"]["m"], now)
 
 
@@ -113,7 +102,7 @@ def test_an_external_partition_readded_after_its_table_moved_shows_no_stale_rows
     source.sql("INSERT INTO r19b.t PARTITION (p=1) VALUES (2)")
     source.sql("REFRESH TABLE r19b.t")
     now = source.rows("SELECT * FROM r19b.t")
-    parts = _parts(source, "r19b.t")
+    parts = source.partitions("r19b.t")
     inc2, _ = source.dump("r19b", from_id=h1.last_event_id)
     q = {"t": "SELECT * FROM r19b.t"}
     first, second, after = destination.run(
@@ -121,8 +110,8 @@ def test_an_external_partition_readded_after_its_table_moved_shows_no_stale_rows
         {"load": {"dump": inc2}},
         {"sql": ["REFRESH TABLE r19b.t"], "queries": q, "partitions": ["r19b.t"]},
     )
-    _no_error(first)
-    _no_error(second)
+    load_ok(first)
+    load_ok(second)
     assert first["rows"]["t"] == then
     assert now == [[2, 1]], now
     assert after["partitions"]["r19b.t"] == parts
@@ -162,8 +151,8 @@ def test_an_external_table_moved_away_and_a_table_created_at_its_old_place(
         {"load": {"dump": inc2}},
         {"sql": ["REFRESH TABLE r19c.e", "REFRESH TABLE r19c.g"], "queries": q},
     )
-    _no_error(first)
-    _no_error(second)
+    load_ok(first)
+    load_ok(second)
     assert first["rows"]["e"] == [[1]]
     assert mid == [[2]]
     assert now == {"e": [[2]], "g": [[1]]}, now
@@ -193,7 +182,7 @@ def test_an_external_partitioned_table_recreated_over_its_directory(
     source.sql("DROP TABLE r19d.e")
     source.sql(ddl_e)
     mid = source.rows("SELECT * FROM r19d.e")
-    mid_parts = _parts(source, "r19d.e")
+    mid_parts = source.partitions("r19d.e")
     inc2, h2 = source.dump("r19d", from_id=h1.last_event_id)
     source.sql("DROP DATABASE r19d CASCADE")
     source.sql("CREATE DATABASE r19d")
@@ -208,7 +197,7 @@ def test_an_external_partitioned_table_recreated_over_its_directory(
                                               "tables": "SHOW TABLES IN r19d"}},
     )
     for step in (first, second, third):
-        _no_error(step)
+        load_ok(step)
     assert first["rows"]["e"] == [[1, 1]]
     assert second["partitions"]["r19d.e"] == mid_parts, (second["partitions"], mid_parts)
     assert second["rows"]["e"] == mid, (second["rows"]["e"], mid)
@@ -257,8 +246,8 @@ def test_overwrite_truncate_and_a_move_back_keep_the_replica_equal(
         {"load": {"dump": inc2}},
         {"sql": ["REFRESH TABLE r19o.t", "REFRESH TABLE r19o.h"], "queries": q},
     )
-    _no_error(first)
-    _no_error(second)
+    load_ok(first)
+    load_ok(second)
     assert first["rows"] == {"t": [[1]], "h": [[1, 1]]}
     assert after["rows"] == now, (after["rows"], now)
 
@@ -285,7 +274,7 @@ def test_a_partition_directory_named_as_another_values_decoded_name(
     source.sql("INSERT INTO r19h.t PARTITION (s='x=y') VALUES (2)")
     source.sql("REFRESH TABLE r19h.t")
     now = source.rows("SELECT * FROM r19h.t")
-    parts = _parts(source, "r19h.t")
+    parts = source.partitions("r19h.t")
     adds = [(p, loc) for e in _events(source, start, "r19h")
             if e.get("eventType") == "ADD_PARTITION"
             for p, loc in zip(e.get("partitions") or [], e.get("partitionLocations") or [],
@@ -296,7 +285,7 @@ def test_a_partition_directory_named_as_another_values_decoded_name(
         {"load": {"dump": inc}},
         {"sql": ["REFRESH TABLE r19h.t"], "queries": q, "partitions": ["r19h.t"]},
     )
-    _no_error(first)
+    load_ok(first)
     assert now == [[1, "q"], [2, "x=y"]], now
     named = {p.get("s"): loc for p, loc in adds}
     assert named.get("x=y") == str(tdir / "s=x%3Dy"), adds
@@ -343,7 +332,7 @@ def test_special_values_through_msck_dynamic_inserts_renames_and_moves(
     for t in ("e", "m"):
         source.sql(f"REFRESH TABLE r19j.{t}")
     now = {t: source.rows(f"SELECT * FROM r19j.{t}") for t in ("e", "m")}
-    parts = {f"r19j.{t}": _parts(source, f"r19j.{t}") for t in ("e", "m")}
+    parts = {f"r19j.{t}": source.partitions(f"r19j.{t}") for t in ("e", "m")}
     events = _events(source, start, "r19j")
     last: dict[tuple[str, str], str | None] = {}
     for e in events:
@@ -355,7 +344,7 @@ def test_special_values_through_msck_dynamic_inserts_renames_and_moves(
                     locs[i] if i < len(locs) else "?")
     present = {(t, r[1]) for t in ("e", "m") for r in now[t]}
     bad = {k: v for k, v in last.items() if k in present
-           and (v is None or not os.path.isdir(str(v)) or not _files(Path(str(v))))}
+           and (v is None or not os.path.isdir(str(v)) or not files_below(Path(str(v))))}
     inc1, h1 = source.dump("r19j", from_id=h0.last_event_id)
     # Every file m holds now must be recycled by its drop.
     mdir = source.table_dir("m", "r19j")
@@ -378,7 +367,7 @@ def test_special_values_through_msck_dynamic_inserts_renames_and_moves(
         {"sql": ["REFRESH TABLE r19j.m"], "queries": {"m": q["m"]}},
     )
     for step in (zero, first, second):
-        _no_error(step)
+        load_ok(step)
     assert not bad, (bad, events[-1].keys() if events else None)
     assert after["partitions"] == parts, (after["partitions"], parts)
     assert after["rows"] == now, (after["rows"], now)
@@ -422,7 +411,7 @@ def test_a_load_killed_after_moving_an_external_table_ends_equal_to_the_source(
     last, = d.run({"load": {"dump": inc}, "status": ["r19k"],
                    "queries": {"e4": "SELECT * FROM r19k.e4",
                                "tables": "SHOW TABLES IN r19k"}})
-    _no_error(last)
+    load_ok(last)
     assert last["status"]["r19k"] == h.last_event_id
     assert [r[1] for r in last["rows"]["tables"]] == ["e4"]
     assert now == [[2], [3]], now

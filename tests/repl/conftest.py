@@ -23,11 +23,25 @@ from tests.spark.sparklib import REPO, Lake, hooked_lake, spark_settings
 RETAIN_OVERRIDES = "expiring.*=1s"
 
 
+def files_below(top: Path) -> list[str]:
+    """The data files below `top` (hidden names left out), relative to it, sorted."""
+    return sorted(os.path.relpath(os.path.join(d, f), top) for d, _, fs in os.walk(top)
+                  for f in fs if not f.startswith((".", "_")))
+
+
+def load_ok(step: dict[str, Any]) -> None:
+    """A destination step's load went through."""
+    assert "error" not in step["load"], step["load"]
+
+
 class Source(Lake):
     """The hooked source lake, with what the replication tests ask of it."""
 
     def rows(self, q: str) -> list[list[Any]]:
         return sorted(list(r) for r in self.sql(q))
+
+    def partitions(self, table: str) -> list[str]:
+        return sorted(r[0] for r in self.sql(f"SHOW PARTITIONS {table}"))
 
     def data_files(self, db: str, table: str) -> list[str]:
         """Data file paths relative to the table directory (hidden names left out)."""

@@ -8,14 +8,12 @@ hook records nothing) is refused by name, never replicated empty."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cmroot.exceptions import ReplError
-from tests.repl.conftest import Destination, Source
+from tests.repl.conftest import Destination, Source, files_below
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -35,11 +33,6 @@ def _location(step: dict[str, Any], key: str) -> str:
     assert isinstance(rows, list) and len(rows) == 1, rows
     info = dict(line.partition(": ")[::2] for line in str(rows[0][3]).splitlines())
     return info["Location"].removeprefix("file:")
-
-
-def _data_files(top: Path) -> list[str]:
-    return sorted(os.path.relpath(os.path.join(d, f), top) for d, _, fs in os.walk(top)
-                  for f in fs if not f.startswith((".", "_")))
 
 
 def test_partitions_with_their_own_locations_replicate(
@@ -93,11 +86,11 @@ def test_partitions_with_their_own_locations_replicate(
     # Each place holds what the source's does: the dropped managed partition's files are
     # gone, those at the place a partition moved away from stay (as at the source).
     for name in ("t1", "t2", "t2b", "h1"):
-        assert _data_files(ext / f"plc{own}" / name) == _data_files(own / name), name
-    assert not _data_files(own / "t2")
+        assert files_below(ext / f"plc{own}" / name) == files_below(own / name), name
+    assert not files_below(own / "t2")
     old = source.warehouse / "plc.db" / "t" / "p=1"
-    assert _data_files(destination.warehouse / "plc.db" / "t" / "p=1") == _data_files(old)
-    assert _data_files(old)
+    assert files_below(destination.warehouse / "plc.db" / "t" / "p=1") == files_below(old)
+    assert files_below(old)
 
 
 def test_a_partition_outside_the_roots_is_refused(
