@@ -285,8 +285,8 @@ def _snapshot(
     else:
         raise ReplError(
             "tables kept moving while the bootstrap read them",
-            f"{', '.join('.'.join(n) for n in pending)} were renamed, dropped or moved in"
-            f" each of {_ROUNDS} rounds: dump again when they settle",
+            f"{', '.join('.'.join(n) for n in pending)} were renamed, dropped, moved or had"
+            f" partitions added in each of {_ROUNDS} rounds: dump again when they settle",
         )
     events: list[DumpEvent] = []
     if table is None:
@@ -310,9 +310,11 @@ def _take(
     spark: Any, names: list[Name], report: Callable[[str, int, int | None], None]
 ) -> tuple[dict[Name, _Taken], set[Name]]:
     """Read each table (definition, partitions, then every file listed and hashed on the
-    executors in one batch): the tables read, and those that changed place while they were
-    read (their definition gone or moved). A name that is a view now is not read."""
+    executors in one batch): the tables read, and those that changed while they were read
+    (their definition gone or moved, or a partition added between the reads of partition
+    names and places: to be read again). A name that is a view now is not read."""
     got: dict[Name, _Taken] = {}
+    changed: set[Name] = set()  # partitions added between reading their names and places
     # (table as "db.table", spec_key, directory, its subdirectories that are other
     # partitions' and not listed with it)
     dirs: list[tuple[str, str, str, tuple[str, ...]]] = []
@@ -323,6 +325,7 @@ def _take(
                 continue  # a view took the name: views are not replicated
             keys = tabledef.partition_columns(obj)
             specs = _partitions(spark, db, name) if keys else [{}]
+            faults.point("dump.partitions_listed")
             loc = tabledef.location(obj)
             places = {spec_key(spec): f"{loc}/{tabledef.partition_dir(spec, keys)}"
                       for spec in specs} if keys else {spec_key({}): str(loc)}
@@ -346,10 +349,13 @@ def _take(
                 " the daemon's store.warehouse_roots), or replicate the other tables one by"
                 " one",
             )
+        if not own.keys() <= places.keys():
+            # A partition the names did not have: added between the two reads. The table
+            # is read again in the next round, as one a rename touched.
+            log.info("partitions changed during bootstrap", extra={"table": f"{db}.{name}"})
+            changed.add((db, name))
+            continue
         for key, where in own.items():
-            if key not in places:  # SHOW PARTITIONS and the catalog disagree on a spec
-                raise ReplError("cannot read a partition's spec",
-                                f"{db}.{name}: partition {key} at {where}: dump again")
             if (f"{loc}/").startswith(where + "/"):
                 raise ReplError(
                     "partition at its table's own directory",
@@ -379,7 +385,7 @@ def _take(
         got[(tdb, name)].files.setdefault(spec, []).append(
             {"path": path, "checksum": checksum, "size": size}
         )
-    unstable = set()
+    unstable = changed
     for (db, name), t in got.items():
         try:
             now = tabledef.location(table_obj(spark, db, name))
