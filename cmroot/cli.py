@@ -163,6 +163,26 @@ def _parser() -> argparse.ArgumentParser:
         "--url is this config's daemon, unless $SPARK_CONF_DIR/spark-defaults.conf sets one)",
     )
 
+    s = sub.add_parser(
+        "metastore-conf",
+        parents=[common],
+        help="build the metastore plugin and print what a Hive metastore's hive-site.xml needs",
+    )
+    s.add_argument(
+        "--format",
+        choices=["xml", "properties"],
+        default="xml",
+        help="<property> elements for hive-site.xml (default) or key=value lines",
+    )
+    s.add_argument("--fail-open", action="store_true", help="drop anyway if cmroot is down")
+    s.add_argument(
+        "--warehouse-root",
+        action="append",
+        metavar="DIR",
+        help="a directory the plugin protects (repeatable; default: the metastore's "
+        "hive.metastore.warehouse.dir)",
+    )
+
     s = sub.add_parser("repl", parents=[common], help="replicate a database or table on Spark")
     repl = s.add_subparsers(dest="repl_verb", required=True, metavar="ACTION")
     with_help = "a Spark setting (or cmroot.url / cmroot.token for the loader); repeatable"
@@ -686,6 +706,40 @@ def _spark_conf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _metastore_conf(args: argparse.Namespace) -> int:
+    from cmroot import metastore
+
+    config = _load(args)
+    url = args.url or config.server.base_url
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"metastore-conf needs the daemon's http(s) URL, not {url!r}",
+            "give --url http://host:port (the daemon listens on TCP besides server.socket)",
+        )
+    token_file = args.token_file
+    if token_file and not os.path.isfile(token_file):
+        raise ConfigError(
+            f"--token-file {token_file} is not a file",
+            "write the token from `cmroot token create` into it (chmod 600, owned by the "
+            "metastore's user); the plugin reads it at each call",
+        )
+    token = None if token_file else args.token
+    out = metastore.metastore_conf(
+        url, token, token_file=token_file, fail_open=args.fail_open,
+        warehouse_roots=args.warehouse_root,
+    )
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    props: dict[str, str] = out["properties"]  # type: ignore[assignment]
+    classpath: list[str] = out["classpath"]  # type: ignore[assignment]
+    comment = "#" if args.format == "properties" else None
+    head = f"the metastore's class path needs: {os.pathsep.join(classpath)}"
+    print(f"# {head}" if comment else f"<!-- {head} -->")
+    print(metastore.format_conf(props, args.format))
+    return 0
+
+
 def _spark_warehouse(config: cfg.Config) -> str | None:
     """The first local warehouse root, unless spark-defaults.conf already sets one: Spark's
     own default (`./spark-warehouse`) is outside every root, so the hook would refuse it."""
@@ -789,6 +843,7 @@ _VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "fsck": _fsck,
     "token": _token,
     "spark-conf": _spark_conf,
+    "metastore-conf": _metastore_conf,
 }
 
 

@@ -142,7 +142,8 @@ class Config:
 
 # Environment variables of the CLI and logging that are not config keys.
 _NOT_CONFIG = frozenset(
-    {"CMROOT_CONFIG", "CMROOT_TOKEN", "CMROOT_URL", "CMROOT_LOG_LEVEL", "CMROOT_FAULTS"}
+    {"CMROOT_CONFIG", "CMROOT_TOKEN", "CMROOT_URL", "CMROOT_LOG_LEVEL", "CMROOT_FAULTS",
+     "CMROOT_SPARK_CACHE"}
 )
 
 _SECTIONS: dict[str, type[Any]] = {

@@ -162,7 +162,7 @@ def table_obj(spark: Any, db: str, table: str) -> dict[str, Any]:
         .rawTable()
     )
     try:
-        text = jvm.io.cmroot.spark.Cmroot.tableJson(raw)
+        text = jvm.io.cmroot.core.Cmroot.tableJson(raw)
     except Exception as e:
         raise ReplError(
             "cannot read table definitions",
@@ -176,7 +176,7 @@ def _recorded(spark: Any, location: str) -> bool:
     """Does the hook record the events of a table at `location`?"""
     jvm = spark.sparkContext._jvm
     hconf = spark.sparkContext._jsc.hadoopConfiguration()
-    return bool(jvm.io.cmroot.spark.Cmroot.recordsAt(location, hconf))
+    return bool(jvm.io.cmroot.core.Cmroot.recordsAt(location, hconf))
 
 
 def _partitions(spark: Any, db: str, table: str) -> list[dict[str, str]]:

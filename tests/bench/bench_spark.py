@@ -39,7 +39,7 @@ file would show as N requests.
 
 `--profile DIR` also runs the daemon under a sampling profiler (all threads, every 5 ms;
 report in DIR/daemon-profile.txt, folded stacks in DIR/daemon-profile.folded) and turns on
-the hook's DEBUG log (logger io.cmroot.spark: prepare times in ms), saved per statement in
+the hook's DEBUG log (logger io.cmroot: prepare times in ms), saved per statement in
 DIR/hook-debug.log. Take the table's figures from a run without it.
 
 Progress goes to stderr, the markdown table to stdout.
@@ -267,17 +267,17 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _debug_log(spark: Any) -> Any:
-    """The hook's logger (io.cmroot.spark) at DEBUG into a buffer; returns a callable giving
+    """The hook's logger (io.cmroot) at DEBUG into a buffer; returns a callable giving
     (and clearing) what it logged since the last call."""
     jvm = spark.sparkContext._jvm
     log4j = jvm.org.apache.logging.log4j
-    log4j.core.config.Configurator.setLevel("io.cmroot.spark", log4j.Level.DEBUG)
+    log4j.core.config.Configurator.setLevel("io.cmroot", log4j.Level.DEBUG)
     writer = jvm.java.io.StringWriter()
     appender = log4j.core.appender.WriterAppender.createAppender(
         log4j.core.layout.PatternLayout.createDefaultLayout(), None, writer, "cmroot-bench",
         False, True)
     appender.start()
-    log4j.LogManager.getContext(False).getLogger("io.cmroot.spark").addAppender(appender)
+    log4j.LogManager.getContext(False).getLogger("io.cmroot").addAppender(appender)
 
     def take() -> str:
         buf = writer.getBuffer()

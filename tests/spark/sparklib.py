@@ -170,7 +170,7 @@ def app_conf(spark: Any, key: str, value: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def shim_log(spark: Any) -> Iterator[Any]:
-    """What the JVM shim logs (logger io.cmroot.spark) for the duration, as a callable
+    """What the JVM shim logs (logger io.cmroot) for the duration, as a callable
     returning the text so far: the JVM writes to its own stderr, which pytest's capfd does
     not see."""
     jvm = spark.sparkContext._jvm
@@ -180,7 +180,7 @@ def shim_log(spark: Any) -> Iterator[Any]:
         log4j.core.layout.PatternLayout.createDefaultLayout(), None, writer, "cmroot-test",
         False, True)
     appender.start()
-    logger = log4j.LogManager.getContext(False).getLogger("io.cmroot.spark")
+    logger = log4j.LogManager.getContext(False).getLogger("io.cmroot")
     logger.addAppender(appender)
     try:
         yield lambda: str(writer.toString())

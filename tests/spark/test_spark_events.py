@@ -80,7 +80,7 @@ def table_json(lake: Lake, table: str) -> dict[str, Any]:
         .getRawHiveTable(DB, table)
         .rawTable()
     )
-    return dict(json.loads(spark.sparkContext._jvm.io.cmroot.spark.Cmroot.tableJson(raw)))
+    return dict(json.loads(spark.sparkContext._jvm.io.cmroot.core.Cmroot.tableJson(raw)))
 
 
 @pytest.fixture(scope="module")
@@ -254,11 +254,11 @@ def test_an_unrecorded_change_fails_the_statement_saying_so(lake: Lake, db: str)
 
 def test_fail_open_counts_unrecorded_changes(lake: Lake, db: str) -> None:
     jvm = lake.spark.sparkContext._jvm
-    counted = jvm.io.cmroot.spark.Cmroot.failOpenEvents()
+    counted = jvm.io.cmroot.core.Cmroot.failOpenEvents()
     with app_conf(lake.spark, "spark.cmroot.failOpen", "true"), lake.daemon.down():
         lake.sql(f"CREATE TABLE {DB}.open (a INT) USING parquet")
         lake.sql(f"INSERT INTO {DB}.open VALUES (1)")
-    assert jvm.io.cmroot.spark.Cmroot.failOpenEvents() == counted + 2
+    assert jvm.io.cmroot.core.Cmroot.failOpenEvents() == counted + 2
     assert [tuple(r) for r in lake.sql(f"SELECT a FROM {DB}.open")] == [(1,)]
 
 

@@ -124,13 +124,13 @@ def test_daemon_down_fails_closed(lake: Lake, op: str) -> None:
 def test_fail_open_proceeds_and_counts(lake: Lake) -> None:
     before = make(lake, "fail_open")
     jvm = lake.spark.sparkContext._jvm
-    counted = jvm.io.cmroot.spark.Cmroot.failOpenDeletes()
+    counted = jvm.io.cmroot.core.Cmroot.failOpenDeletes()
     since = lake.daemon.current()
     with app_conf(lake.spark, "spark.cmroot.failOpen", "true"), lake.daemon.down():
         lake.sql("ALTER TABLE fail_open DROP PARTITION (p=1)")
         lake.sql("DROP TABLE fail_open")
     assert before and not lake.table_dir("fail_open").exists()
-    assert jvm.io.cmroot.spark.Cmroot.failOpenDeletes() >= counted + 2
+    assert jvm.io.cmroot.core.Cmroot.failOpenDeletes() >= counted + 2
     assert lake.daemon.events_after(since) == []
     assert "fail_open" not in [t.name for t in lake.spark.catalog.listTables()]
 

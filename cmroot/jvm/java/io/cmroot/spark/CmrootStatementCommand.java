@@ -1,5 +1,6 @@
 package io.cmroot.spark;
 
+import io.cmroot.core.Cmroot;
 import java.util.List;
 import org.apache.spark.sql.Row;
 import org.apache.spark.sql.SparkSession;
@@ -32,10 +33,10 @@ public final class CmrootStatementCommand extends LogicalPlan implements LeafRun
   private static final long serialVersionUID = 1L;
 
   private final LogicalPlan inner;
-  private final Cmroot.Ctx ctx;
+  private final Ctx ctx;
   private Seq<Enumeration.Value> nodePatterns;
 
-  public CmrootStatementCommand(LogicalPlan inner, Cmroot.Ctx ctx) {
+  public CmrootStatementCommand(LogicalPlan inner, Ctx ctx) {
     this.inner = inner;
     this.ctx = ctx;
     // What scalac emits for a class mixing these traits in: it sets the trait's vals.

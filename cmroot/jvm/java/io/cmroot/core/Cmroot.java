@@ -1,21 +1,21 @@
-package io.cmroot.spark;
+package io.cmroot.core;
 
-import com.fasterxml.jackson.databind.JsonNode;
-import com.fasterxml.jackson.databind.ObjectMapper;
+import java.io.ByteArrayOutputStream;
 import java.io.File;
 import java.io.IOException;
+import java.io.InputStream;
+import java.io.OutputStream;
+import java.net.HttpURLConnection;
 import java.net.URI;
+import java.net.URL;
 import java.net.URLDecoder;
-import java.net.http.HttpClient;
-import java.net.http.HttpRequest;
-import java.net.http.HttpResponse;
 import java.nio.charset.StandardCharsets;
 import java.nio.file.Files;
 import java.nio.file.Path;
 import java.nio.file.Paths;
-import java.time.Duration;
 import java.util.ArrayList;
 import java.util.Arrays;
+import java.util.Collections;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Locale;
@@ -27,22 +27,23 @@ import org.slf4j.Logger;
 import org.slf4j.LoggerFactory;
 
 /**
- * The shared core of the cmroot Spark shim: settings, the path rules (which paths are
- * recycled, which are refused), the statement context type, the table definition replication
- * recreates tables from, and the daemon's HTTP calls ({@link CmrootTransaction} makes the
- * two-phase recycles, {@link #addEvent} records events). All store logic lives in the daemon;
- * this only tells it what to recycle and what changed.
+ * The core the metastore plugin and the Spark hook share: settings, the path rules (which
+ * paths are recycled, which are refused), the table definition replication recreates tables
+ * from, and the daemon's HTTP calls ({@link CmrootTransaction} makes the two-phase recycles,
+ * {@link #addEvent} records events). All store logic lives in the daemon; this only tells it
+ * what to recycle and what changed. Java 8, no Spark classes and no library beyond Hadoop's
+ * and slf4j: a Hive 2.3 or 3.x metastore on Java 8 loads it.
  */
 public final class Cmroot {
-  static final Logger LOG = LoggerFactory.getLogger("io.cmroot.spark");
+  public static final Logger LOG = LoggerFactory.getLogger("io.cmroot");
 
   /** Deletions that went ahead without a recycle because spark.cmroot.failOpen=true. */
   public static final AtomicLong FAIL_OPEN_DELETES = new AtomicLong();
   /** Events (changes already made) not recorded because spark.cmroot.failOpen=true. */
   public static final AtomicLong FAIL_OPEN_EVENTS = new AtomicLong();
 
-  private static final ObjectMapper JSON = new ObjectMapper();
-  private static volatile HttpClient http;
+  // Seconds to wait for the daemon to accept a connection (it answers at once when up).
+  private static final int CONNECT_TIMEOUT_MS = 10_000;
 
   private Cmroot() {}
 
@@ -56,7 +57,7 @@ public final class Cmroot {
 
   // -- settings ---------------------------------------------------------------------------
 
-  /** The spark.cmroot.* settings of the application (see {@link #conf}). */
+  /** The cmroot settings of the application or metastore (see {@link #conf}). */
   public static final class Settings {
     public final String url;
     public final String token;
@@ -67,7 +68,7 @@ public final class Cmroot {
     /** Seconds a prepared recycle is held for its statement between renewals. */
     public final long leaseSeconds;
 
-    Settings(String url, String token, boolean enabled, boolean failOpen, boolean debug,
+    public Settings(String url, String token, boolean enabled, boolean failOpen, boolean debug,
         List<String> roots, long leaseSeconds) {
       this.url = url;
       this.token = token;
@@ -80,23 +81,23 @@ public final class Cmroot {
   }
 
   /** The keys a session may not change: they decide whether and where files are kept. */
-  public static final List<String> FIXED_KEYS = List.of("url", "token", "enabled", "failOpen",
-      "warehouseRoots", "lease");
+  public static final List<String> FIXED_KEYS = Collections.unmodifiableList(Arrays.asList(
+      "url", "token", "tokenFile", "enabled", "failOpen", "warehouseRoots", "lease"));
 
   /**
    * spark.cmroot.KEY from the application's static conf (the SparkConf every SparkEnv of the
    * application shares: driver and executors), else $CMROOT_KEY. Never the session's runtime
    * conf nor the per-query Hadoop conf, which a SQL user can change with SET: the protection
-   * is the application's, not a session switch. Without Spark in this JVM (a bare Hadoop
-   * client or a standalone metastore) it is the Hadoop conf's spark.cmroot.KEY or cmroot.KEY.
+   * is the application's, not a session switch. Without Spark in this JVM (a standalone
+   * metastore, a bare Hadoop client) it is the Hadoop conf's cmroot.KEY (hive-site.xml) or
+   * spark.cmroot.KEY.
    */
-  static String conf(Configuration hconf, String key, String dflt) {
+  public static String conf(Configuration hconf, String key, String dflt) {
     String v = null;
-    org.apache.spark.SparkConf spark = sparkConf();
-    if (spark != null) {
-      v = spark.get("spark.cmroot." + key, null);
+    if (AppConf.Registry.running()) {
+      v = AppConf.Registry.get("spark.cmroot." + key);
     } else if (hconf != null) {
-      v = hconf.get("spark.cmroot." + key, hconf.get("cmroot." + key));
+      v = hconf.get("cmroot." + key, hconf.get("spark.cmroot." + key));
     }
     if (v == null) {
       v = System.getenv("CMROOT_" + key.toUpperCase(Locale.ROOT));
@@ -104,23 +105,13 @@ public final class Cmroot {
     return v == null || v.isEmpty() ? dflt : v;
   }
 
-  /** The application's SparkConf, or null without a running Spark application here. */
-  static org.apache.spark.SparkConf sparkConf() {
-    try {
-      org.apache.spark.SparkEnv env = org.apache.spark.SparkEnv.get();
-      return env == null ? null : env.conf();
-    } catch (Throwable e) {
-      return null; // no Spark classes in this JVM
-    }
-  }
-
   public static Settings settings(Configuration hconf) {
     String roots = conf(hconf, "warehouseRoots", null);
-    org.apache.spark.SparkConf spark = sparkConf();
-    if (roots == null && spark != null) {
-      roots = spark.get("spark.sql.warehouse.dir", null);
+    boolean spark = AppConf.Registry.running();
+    if (roots == null && spark) {
+      roots = AppConf.Registry.get("spark.sql.warehouse.dir");
     }
-    if (roots == null && spark == null && hconf != null) {
+    if (roots == null && !spark && hconf != null) {
       roots = hconf.get("spark.sql.warehouse.dir", hconf.get("hive.metastore.warehouse.dir"));
     }
     List<String> list = new ArrayList<>();
@@ -132,21 +123,43 @@ public final class Cmroot {
         }
       }
     }
-    // No spark.cmroot.url anywhere: this application did not ask for cmroot (the file system
-    // may be a cached instance from an earlier application in this JVM): stay inert.
+    // No cmroot url anywhere: this application did not ask for cmroot (the file system may
+    // be a cached instance from an earlier application in this JVM): stay inert.
     String url = conf(hconf, "url", null);
     return new Settings(
         url == null ? "" : url.replaceAll("/+$", ""),
-        conf(hconf, "token", null),
+        token(hconf),
         url != null && Boolean.parseBoolean(conf(hconf, "enabled", "true")),
         Boolean.parseBoolean(conf(hconf, "failOpen", "false")),
         Boolean.parseBoolean(conf(hconf, "debug", "false")),
         list,
-        seconds(conf(hconf, "lease", "10m"), "spark.cmroot.lease"));
+        seconds(conf(hconf, "lease", "10m"), "cmroot.lease"));
+  }
+
+  /**
+   * The token: inline (cmroot.token), or the first line of cmroot.tokenFile, read at each
+   * use so that a rotated token takes effect without a restart. An unreadable file is an
+   * error naming it: running without the token would have every recycle refused.
+   */
+  private static String token(Configuration hconf) {
+    String file = conf(hconf, "tokenFile", null);
+    if (file == null) {
+      return conf(hconf, "token", null);
+    }
+    try {
+      byte[] raw = Files.readAllBytes(Paths.get(file));
+      String t = new String(raw, StandardCharsets.UTF_8).trim();
+      int nl = t.indexOf('\n');
+      return nl < 0 ? t : t.substring(0, nl).trim();
+    } catch (IOException | RuntimeException e) {
+      throw new IllegalArgumentException("cmroot: cannot read the token file " + file
+          + " (cmroot.tokenFile): " + e + ". Make it readable by this process, or set "
+          + "cmroot.token", e);
+    }
   }
 
   /** "90s", "10m", "1h" or plain seconds, as seconds (the daemon takes 1 s to 1 day). */
-  static long seconds(String value, String key) {
+  public static long seconds(String value, String key) {
     String v = value.trim().toLowerCase(Locale.ROOT);
     long unit = 1;
     if (v.endsWith("s")) {
@@ -202,7 +215,7 @@ public final class Cmroot {
    * as a Hadoop path string (`s=x%3Dy` as is). The URI reading, unless only the other names
    * a directory that exists.
    */
-  static String existingLocalPath(String loc) {
+  public static String existingLocalPath(String loc) {
     String p = localPath(loc);
     if (p == null || new File(p).exists() || !loc.startsWith("file:")) {
       return p;
@@ -218,7 +231,7 @@ public final class Cmroot {
    * this way: a root or a table reached through a symlinked directory is still that root or
    * table, never "outside the roots".
    */
-  static String real(Path p, boolean followLast) {
+  public static String real(Path p, boolean followLast) {
     Path name = p.getFileName();
     if (!followLast && name != null && p.getParent() != null) {
       return Paths.get(real(p.getParent(), true)).resolve(name).toString();
@@ -241,7 +254,7 @@ public final class Cmroot {
     return p.toString();
   }
 
-  static boolean under(String path, String root) {
+  public static boolean under(String path, String root) {
     return path.equals(root) || path.startsWith(root.endsWith("/") ? root : root + "/");
   }
 
@@ -271,7 +284,7 @@ public final class Cmroot {
    * names below `base` count: a table located at a place named like a committer's attempt
    * directory ({@code _temporary/7}) holds data all the same, and so does what is below it.
    */
-  static boolean temporaryBelow(String base, String path) {
+  public static boolean temporaryBelow(String base, String path) {
     return temporaryEnd(base, path) >= 0;
   }
 
@@ -280,7 +293,7 @@ public final class Cmroot {
    * the prefix of `path` through it: {@code <base>/_temporary/0}, {@code <base>/.spark-
    * staging-<uuid>}), or -1 if there is none.
    */
-  static int temporaryEnd(String base, String path) {
+  public static int temporaryEnd(String base, String path) {
     String[] segs = path.substring(base.length()).split("/");
     int end = base.length();
     for (int i = 0; i < segs.length; i++) {
@@ -300,7 +313,7 @@ public final class Cmroot {
     return -1;
   }
 
-  static boolean isStagingName(String seg) {
+  public static boolean isStagingName(String seg) {
     return SPARK_STAGING.matcher(seg).matches() || HIVE_STAGING.matcher(seg).matches();
   }
 
@@ -309,7 +322,7 @@ public final class Cmroot {
    * directories (0, 1, ...) in it. A table called `_temporary` holds data files or k=v
    * directories, so it is not one.
    */
-  static boolean isCommitterTemporary(File dir) {
+  public static boolean isCommitterTemporary(File dir) {
     File[] children = dir.listFiles();
     if (children == null || children.length == 0) {
       return false;
@@ -323,7 +336,7 @@ public final class Cmroot {
   }
 
   /** Hadoop's and Hive's hidden names (".x.crc", "_SUCCESS"): never data of a table. */
-  static boolean isHiddenName(String name) {
+  public static boolean isHiddenName(String name) {
     return name.startsWith(".") || name.startsWith("_");
   }
 
@@ -331,7 +344,7 @@ public final class Cmroot {
    * The data files in `dir` (and below it when `recursive`), sorted: no temporary or hidden
    * names, and only names containing `mark` when it is not null.
    */
-  static List<String> dataFiles(File dir, boolean recursive, String mark) {
+  public static List<String> dataFiles(File dir, boolean recursive, String mark) {
     List<String> out = new ArrayList<>();
     File[] children = dir.listFiles();
     if (children == null) {
@@ -358,7 +371,7 @@ public final class Cmroot {
   }
 
   /** The distinct non-empty partitions `of` gives `files`, in the order first met. */
-  static List<Map<String, String>> partitionsOf(List<String> files,
+  public static List<Map<String, String>> partitionsOf(List<String> files,
       java.util.function.Function<String, Map<String, String>> of) {
     List<Map<String, String>> parts = new ArrayList<>();
     for (String f : files) {
@@ -371,10 +384,10 @@ public final class Cmroot {
   }
 
   /** `paths` as the files of an event: [{"path"}], hashed by the daemon. */
-  static List<Map<String, Object>> fileRefs(List<String> paths) {
+  public static List<Map<String, Object>> fileRefs(List<String> paths) {
     List<Map<String, Object>> out = new ArrayList<>();
     for (String p : paths) {
-      out.add(Map.of("path", p));
+      out.add(Collections.<String, Object>singletonMap("path", p));
     }
     return out;
   }
@@ -385,21 +398,11 @@ public final class Cmroot {
   }
 
   /**
-   * {@link #protectedPath}, judged for the table `ctx` (a statement's) writes: a path in its
-   * location or one of its partitions' own, by the catalog's word, is data whatever those
-   * are named (see {@link Ctx#temporary}).
-   */
-  static boolean protectedPath(String path, Settings s, Ctx ctx) {
-    return path != null && protectedLocation(path, s)
-        && !(ctx == null ? isTemporary(path) : ctx.temporary(path));
-  }
-
-  /**
    * Is this location of a table or partition, as the catalog records it, under a root? Its
    * name does not matter: a directory named like a job's temporary output
    * ({@code _temporary/7}) that someone registered as a partition holds that partition's data.
    */
-  static boolean protectedLocation(String location, Settings s) {
+  public static boolean protectedLocation(String location, Settings s) {
     if (location == null || !s.enabled) {
       return false;
     }
@@ -415,7 +418,7 @@ public final class Cmroot {
    * The warehouse root that `path` is, or contains, null if none; also when `path` is a
    * symlink to one of them (removing an alias of the warehouse is refused all the same).
    */
-  static String rootWithin(String path, Settings s) {
+  public static String rootWithin(String path, Settings s) {
     if (path == null || !s.enabled) {
       return null;
     }
@@ -432,7 +435,8 @@ public final class Cmroot {
    * Refuse (throw) a delete of `path` when it is a warehouse root or contains one: removing it
    * would take the whole warehouse with it, and nothing of it would be kept (invariant 5).
    */
-  static void refuseRootRemoval(String path, Settings s, String what) throws RecycleException {
+  public static void refuseRootRemoval(String path, Settings s, String what)
+      throws RecycleException {
     String root = rootWithin(path, s);
     if (root != null && Files.exists(Paths.get(path), java.nio.file.LinkOption.NOFOLLOW_LINKS)) {
       String msg = "cmroot refuses " + what + " " + path + ": "
@@ -448,7 +452,7 @@ public final class Cmroot {
    * Every file (and symlink) under `dir`, or `dir` itself when it is one, skipping Spark's and
    * Hive's temporary directories below it: what a delete of `dir` asked now would remove.
    */
-  static List<String> filesUnder(String dir) throws IOException {
+  public static List<String> filesUnder(String dir) throws IOException {
     return filesUnder(dir, true);
   }
 
@@ -456,7 +460,7 @@ public final class Cmroot {
    * {@link #filesUnder(String)}, or with `skipTemporary` false every file below `dir`
    * whatever its directories are called: what a LOAD DATA moves is data all of it.
    */
-  static List<String> filesUnder(String dir, boolean skipTemporary) throws IOException {
+  public static List<String> filesUnder(String dir, boolean skipTemporary) throws IOException {
     Path root = Paths.get(dir);
     List<String> out = new ArrayList<>();
     if (!Files.isDirectory(root, java.nio.file.LinkOption.NOFOLLOW_LINKS)) {
@@ -499,7 +503,7 @@ public final class Cmroot {
    * stays for the metastore to delete (it logs an error when the directory it drops is
    * already gone); the directory itself when it cannot be listed.
    */
-  static List<String> contents(String dir) throws IOException {
+  public static List<String> contents(String dir) throws IOException {
     String[] names = new File(dir).list();
     List<String> out = new ArrayList<>();
     if (names == null) {
@@ -517,7 +521,7 @@ public final class Cmroot {
   }
 
   /** Remove the directories under and including `dir` that hold nothing, deepest first. */
-  static void removeEmptyDirectories(File dir) {
+  public static void removeEmptyDirectories(File dir) {
     File[] children = dir.listFiles();
     if (children == null) {
       return;
@@ -535,7 +539,7 @@ public final class Cmroot {
    * `p` if it is a symlink, else the first symlink under it (not followed, hidden names and
    * what they hold skipped, as Hive's listings skip them); else null.
    */
-  static String firstSymlink(Path p) throws IOException {
+  public static String firstSymlink(Path p) throws IOException {
     if (Files.isSymbolicLink(p)) {
       return p.toString();
     }
@@ -557,7 +561,7 @@ public final class Cmroot {
     return false;
   }
 
-  static boolean holdsFiles(Path p) throws IOException {
+  public static boolean holdsFiles(Path p) throws IOException {
     if (!Files.isDirectory(p, java.nio.file.LinkOption.NOFOLLOW_LINKS)) {
       return Files.exists(p, java.nio.file.LinkOption.NOFOLLOW_LINKS);
     }
@@ -592,7 +596,8 @@ public final class Cmroot {
    * Is `dir` the place Spark and Hive give the partition `spec` by default: the k=v/...
    * path of exactly its values, in order, right below `location`?
    */
-  static boolean isDefaultPartitionDir(String dir, String location, Map<String, String> spec) {
+  public static boolean isDefaultPartitionDir(String dir, String location,
+      Map<String, String> spec) {
     if (location == null || dir.equals(location) || !under(dir, location)) {
       return false;
     }
@@ -605,257 +610,20 @@ public final class Cmroot {
     return segs.length == spec.size() && partitionOf(dir, location, true).equals(spec);
   }
 
-  static String unescape(String s) {
+  public static String unescape(String s) {
     if (s.indexOf('%') < 0) {
       return s;
     }
     try {
-      return URLDecoder.decode(s.replace("+", "%2B"), StandardCharsets.UTF_8);
-    } catch (IllegalArgumentException e) {
+      return URLDecoder.decode(s.replace("+", "%2B"), "UTF-8");
+    } catch (IllegalArgumentException | java.io.UnsupportedEncodingException e) {
       return s;
-    }
-  }
-
-  // -- statement context ------------------------------------------------------------------
-
-  /**
-   * What the statement running on this thread is doing: op, table, purge, location, and
-   * whether it creates the table it writes (a CTAS). op "INSERT" is an append.
-   */
-  public static final class Ctx {
-    /** The statement of a multi-insert as a whole: each insert in it has its own context. */
-    static final Ctx MULTI_INSERT = new Ctx("MULTI_INSERT", null, null, false, null);
-
-    public final String op;
-    public final String db;
-    public final String table;
-    public final boolean purge;
-    public final String location;
-    public final boolean creating;
-    // The table's partitions at custom locations (anywhere but the k=v/... path below
-    // `location`): directory -> spec, for the partitions and new files a write records.
-    final Map<String, Map<String, String>> partitionDirs;
-    // The static partition values of an INSERT into a Hive table (PARTITION (p=1, q)): a
-    // dynamic one's staging output names only the dynamic columns.
-    final Map<String, String> staticSpec;
-    // A LOAD DATA: every data file the statement writes into its table is recorded as its
-    // INSERT (LOAD DATA LOCAL copies with plain creates, which no commit protocol sees).
-    final boolean loading;
-
-    public Ctx(String op, String db, String table, boolean purge, String location) {
-      this(op, db, table, purge, location, false, Map.of(), false, Map.of());
-    }
-
-    public Ctx(String op, String db, String table, boolean purge, String location,
-        boolean creating) {
-      this(op, db, table, purge, location, creating, Map.of(), false, Map.of());
-    }
-
-    private Ctx(String op, String db, String table, boolean purge, String location,
-        boolean creating, Map<String, Map<String, String>> partitionDirs, boolean loading,
-        Map<String, String> staticSpec) {
-      this.loading = loading;
-      this.staticSpec = staticSpec;
-      this.op = op;
-      this.db = db;
-      this.table = table;
-      this.purge = purge;
-      this.location = location;
-      this.creating = creating;
-      this.partitionDirs = partitionDirs;
-    }
-
-    /** This context, with the table's partitions at custom locations (directory -> spec). */
-    Ctx withPartitionDirs(Map<String, Map<String, String>> dirs) {
-      return new Ctx(op, db, table, purge, location, creating, Map.copyOf(dirs), loading,
-          staticSpec);
-    }
-
-    /** This context, for a LOAD DATA. */
-    Ctx loading() {
-      return new Ctx(op, db, table, purge, location, creating, partitionDirs, true,
-          staticSpec);
-    }
-
-    /** This context, for an INSERT with these static partition values. */
-    Ctx withStaticSpec(Map<String, String> spec) {
-      return new Ctx(op, db, table, purge, location, creating, partitionDirs, loading,
-          Map.copyOf(spec));
-    }
-
-    /** The directories of the table: its location, then its custom partition locations. */
-    List<String> dirs() {
-      List<String> out = new ArrayList<>();
-      if (location != null) {
-        out.add(location);
-      }
-      out.addAll(new java.util.TreeSet<>(partitionDirs.keySet()));
-      return out;
-    }
-
-    /**
-     * Is `path` a job's temporary or staging output? In the table's location or one of its
-     * partitions' own, only the names below that directory count: a table or partition
-     * registered at a place named like a committer's attempt directory ({@code _temporary/7})
-     * holds data all the same; a job's staging output inside the table does not.
-     */
-    boolean temporary(String path) {
-      String deepest = deepestDir(path);
-      if (deepest == null) {
-        return isTemporary(path);
-      }
-      // Temporary if a temporary name, read from any of the directories holding the path,
-      // ends below the deepest of them: a partition registered at <t>/_temporary/7 is the
-      // attempt directory itself (data), one at <t>/_temporary holds the job's <t>/_temporary
-      // /0 output (not data).
-      for (String d : dirs()) {
-        if (under(path, d) && temporaryEnd(d, path) > deepest.length()) {
-          return true;
-        }
-      }
-      return false;
-    }
-
-    /** The deepest of the table's directories (`dirs()`) holding `path`, or null. */
-    private String deepestDir(String path) {
-      String deepest = null;
-      for (String d : dirs()) {
-        if (under(path, d) && (deepest == null || d.length() > deepest.length())) {
-          deepest = d;
-        }
-      }
-      return deepest;
-    }
-
-    /**
-     * The table's directories strictly below `path`: what a delete of a temporary `path`
-     * (a job's clean-up of <t>/_temporary) must leave in place.
-     */
-    List<String> dirsBelow(String path) {
-      List<String> out = new ArrayList<>();
-      for (String d : dirs()) {
-        if (!d.equals(path) && under(d, path)) {
-          out.add(d);
-        }
-      }
-      return out;
-    }
-
-    /** The distinct partitions ({k: v}) `files` belong to, in the order first met. */
-    List<Map<String, String>> partitionsOf(List<String> files) {
-      return Cmroot.partitionsOf(files, f -> partitionOf(f, false));
-    }
-
-    /**
-     * The directory of each of `parts` (this context's partitionsOf(files)), read off the
-     * files in it: what an event's `partitionLocations` says. Null if one is unknown (an
-     * event without it places its partitions by their paths).
-     */
-    List<String> partitionDirsOf(List<String> files, List<Map<String, String>> parts) {
-      Map<Map<String, String>, String> dirs = new java.util.HashMap<>();
-      for (String f : files) {
-        dirs.putIfAbsent(partitionOf(f, false), partitionDir(f, false));
-      }
-      List<String> out = new ArrayList<>();
-      for (Map<String, String> p : parts) {
-        String d = dirs.get(p);
-        if (d == null) {
-          return null;
-        }
-        out.add(d);
-      }
-      return out;
-    }
-
-    /** The partition ({k: v}) `path` belongs to, in the table's directory or a custom one. */
-    Map<String, String> partitionOf(String path, boolean isDir) {
-      String dir = partitionDir(path, isDir);
-      Map<String, String> custom = dir == null ? null : partitionDirs.get(dir);
-      return custom != null ? custom : Cmroot.partitionOf(path, location, isDir);
-    }
-
-    /** The directory of the partition `path` belongs to (custom or default), or null. */
-    private String partitionDir(String path, boolean isDir) {
-      String deepest = null; // a partition's location may lie inside another's
-      for (String d : partitionDirs.keySet()) {
-        if (under(path, d) && (deepest == null || d.length() > deepest.length())) {
-          deepest = d;
-        }
-      }
-      // A partition at its default place (k=v/... below the table) inside a custom location
-      // (the table's root, or another partition's k=v parent) is the deeper one.
-      int byDefault = defaultPlaceEnd(path, isDir);
-      if (deepest != null && deepest.length() >= byDefault) {
-        return deepest;
-      }
-      return byDefault < 0 ? null : path.substring(0, byDefault);
-    }
-
-    /**
-     * The length of the default partition directory holding `path` (the run of k=v
-     * directories right below the table's location), or -1.
-     */
-    private int defaultPlaceEnd(String path, boolean isDir) {
-      if (location == null || !under(path, location) || path.equals(location)) {
-        return -1;
-      }
-      String base = location.replaceAll("/+$", "");
-      String[] segs = path.substring(base.length() + 1).split("/");
-      int n = isDir ? segs.length : segs.length - 1;
-      int end = -1;
-      int at = base.length();
-      for (int i = 0; i < n && segs[i].indexOf('=') > 0; i++) {
-        at += 1 + segs[i].length();
-        end = at;
-      }
-      return end;
-    }
-
-    /**
-     * The op of a delete seen while this statement runs: an append replaces nothing, so
-     * anything it does delete is recycled as a plain DELETE.
-     */
-    String deleteOp() {
-      return "INSERT".equals(op) ? "DELETE" : op;
-    }
-
-    /**
-     * This context, if `path` is in its table's directory or in one of its partitions' own
-     * locations (declared to the daemon as the recycle's `partitionLocations`).
-     */
-    Ctx appliesTo(String path) {
-      if (location != null && under(path, location)) {
-        return this;
-      }
-      for (String d : partitionDirs.keySet()) {
-        if (under(path, d)) {
-          return this;
-        }
-      }
-      return null;
-    }
-
-    /** The table's partitions' own locations outside its directory. */
-    List<String> partitionLocations() {
-      List<String> out = new ArrayList<>();
-      for (String d : new java.util.TreeSet<>(partitionDirs.keySet())) {
-        if (location == null || !under(d, location)) {
-          out.add(d);
-        }
-      }
-      return out;
-    }
-
-    @Override
-    public String toString() {
-      return op + " " + db + "." + table + (purge ? " PURGE" : "") + (creating ? " CREATE" : "")
-          + " @" + location;
     }
   }
 
   // -- the daemon -------------------------------------------------------------------------
 
-  static String tableKey(String db, String table) {
+  public static String tableKey(String db, String table) {
     return (db + "." + table).toLowerCase(Locale.ROOT);
   }
 
@@ -866,24 +634,8 @@ public final class Cmroot {
     }
   }
 
-  private static HttpClient http() {
-    HttpClient c = http;
-    if (c == null) {
-      synchronized (Cmroot.class) {
-        if (http == null) {
-          http = HttpClient.newBuilder()
-              .connectTimeout(Duration.ofSeconds(10))
-              .version(HttpClient.Version.HTTP_1_1)
-              .build();
-        }
-        c = http;
-      }
-    }
-    return c;
-  }
-
   /** `e` as an unchecked exception, for overrides of Scala methods that declare none. */
-  static RuntimeException unchecked(Throwable e) {
+  public static RuntimeException unchecked(Throwable e) {
     if (e instanceof Error) {
       throw (Error) e;
     }
@@ -916,7 +668,7 @@ public final class Cmroot {
       return false;
     }
     long t0 = System.nanoTime();
-    Answer a = post("/v1/events", body, s, Duration.ofMinutes(10));
+    Answer a = post("/v1/events", body, s, 600);
     if (a.ok) {
       if (LOG.isDebugEnabled()) {
         LOG.debug("cmroot: recorded {} ({}) in {} ms: {}", body.get("eventType"), what,
@@ -942,15 +694,15 @@ public final class Cmroot {
   }
 
   /** What the daemon answered to one POST, or why it could not. */
-  static final class Answer {
-    final boolean ok;
+  public static final class Answer {
+    public final boolean ok;
     /** The HTTP status, 0 when the daemon could not be reached or did not answer. */
-    final int status;
-    final String body;
-    final String problem;
-    final Throwable cause;
+    public final int status;
+    public final String body;
+    public final String problem;
+    public final Throwable cause;
 
-    Answer(int status, String body, String problem, Throwable cause) {
+    public Answer(int status, String body, String problem, Throwable cause) {
       this.ok = status == 200;
       this.status = status;
       this.body = body;
@@ -958,79 +710,88 @@ public final class Cmroot {
       this.cause = cause;
     }
 
-    JsonNode json() throws IOException {
-      return JSON.readTree(body);
+    /** The answer's JSON object; IOException when it is not one. */
+    public Map<String, Object> json() throws IOException {
+      try {
+        return Json.object(body);
+      } catch (IllegalArgumentException e) {
+        throw new IOException(e.getMessage(), e);
+      }
     }
   }
 
-  static Answer post(String route, Map<String, Object> body, Settings s, Duration timeout) {
+  /**
+   * POST `body` as JSON to the daemon's `route`, waiting at most `timeoutSeconds` for the
+   * answer. Blocking socket I/O goes on through interrupts (Hive cancels the other loads of
+   * a failed statement with them): a commit or abort cut short would leave a statement's
+   * files staged until the lease passes. Connections are kept alive and reused.
+   */
+  public static Answer post(String route, Map<String, Object> body, Settings s,
+      int timeoutSeconds) {
+    HttpURLConnection c = null;
     try {
-      HttpRequest.Builder rb = HttpRequest.newBuilder(URI.create(s.url + route))
-          .timeout(timeout)
-          .header("Content-Type", "application/json")
-          .header("Accept", "application/json")
-          .POST(HttpRequest.BodyPublishers.ofByteArray(JSON.writeValueAsBytes(body)));
+      byte[] out = Json.write(body).getBytes(StandardCharsets.UTF_8);
+      c = (HttpURLConnection) new URL(s.url + route).openConnection();
+      c.setConnectTimeout(CONNECT_TIMEOUT_MS);
+      c.setReadTimeout(timeoutSeconds * 1000);
+      c.setRequestMethod("POST");
+      c.setDoOutput(true);
+      c.setUseCaches(false);
+      c.setFixedLengthStreamingMode(out.length);
+      c.setRequestProperty("Content-Type", "application/json");
+      c.setRequestProperty("Accept", "application/json");
       if (s.token != null) {
-        rb.header("Authorization", "Bearer " + s.token);
+        c.setRequestProperty("Authorization", "Bearer " + s.token);
       }
-      HttpResponse<String> resp = sendThroughInterrupts(rb.build());
-      if (resp.statusCode() == 200) {
-        return new Answer(200, resp.body(), null, null);
+      try (OutputStream o = c.getOutputStream()) {
+        o.write(out);
       }
-      return new Answer(resp.statusCode(), resp.body(), "the daemon at " + s.url
-          + " answered HTTP " + resp.statusCode() + ": " + errorText(resp.body()), null);
-    } catch (IOException e) {
+      int status = c.getResponseCode();
+      InputStream in = status >= 400 ? c.getErrorStream() : c.getInputStream();
+      String text = in == null ? "" : read(in);
+      if (status == 200) {
+        return new Answer(200, text, null, null);
+      }
+      return new Answer(status, text, "the daemon at " + s.url + " answered HTTP " + status
+          + ": " + errorText(text), null);
+    } catch (IOException | RuntimeException e) {
+      if (c != null) {
+        c.disconnect(); // a half-read connection must not go back to the pool
+      }
       return new Answer(0, null, "the daemon at " + s.url + " is unreachable (" + e
           + "); is `cmroot serve` running?", e);
     }
   }
 
-  /**
-   * Send and wait for the answer even if this thread is interrupted (Hive cancels the other
-   * loads of a failed statement with interrupts): a commit or abort cut short would leave a
-   * statement's files staged until the lease passes. The request has its own timeout; the
-   * interrupt is kept for the caller.
-   */
-  private static HttpResponse<String> sendThroughInterrupts(HttpRequest request)
-      throws IOException {
-    boolean interrupted = Thread.interrupted();
-    try {
-      java.util.concurrent.CompletableFuture<HttpResponse<String>> answer =
-          http().sendAsync(request, HttpResponse.BodyHandlers.ofString());
-      while (true) {
-        try {
-          return answer.get();
-        } catch (InterruptedException e) {
-          interrupted = true;
-        } catch (java.util.concurrent.ExecutionException e) {
-          Throwable cause = e.getCause();
-          throw cause instanceof IOException ? (IOException) cause : new IOException(cause);
-        }
+  private static String read(InputStream in) throws IOException {
+    try (InputStream i = in) {
+      ByteArrayOutputStream buf = new ByteArrayOutputStream();
+      byte[] chunk = new byte[8192];
+      int n;
+      while ((n = i.read(chunk)) > 0) {
+        buf.write(chunk, 0, n);
       }
-    } finally {
-      if (interrupted) {
-        Thread.currentThread().interrupt();
-      }
+      return new String(buf.toByteArray(), StandardCharsets.UTF_8);
     }
   }
 
   private static String errorText(String body) {
     try {
-      JsonNode n = JSON.readTree(body);
-      String e = n.path("error").asText("");
-      String d = n.path("detail").asText("");
+      Map<String, Object> n = Json.object(body);
+      String e = Json.text(n, "error");
+      String d = Json.text(n, "detail");
       return d.isEmpty() ? e : e + ": " + d;
     } catch (Exception ex) {
       return abbreviate(body);
     }
   }
 
-  static String abbreviate(String s) {
+  public static String abbreviate(String s) {
     return s == null ? "" : s.length() > 300 ? s.substring(0, 300) + "..." : s;
   }
 
   /** The paths to send for a delete of `p`: itself, and its .crc sibling for a file. */
-  static List<String> withChecksumSibling(String p) {
+  public static List<String> withChecksumSibling(String p) {
     List<String> out = new ArrayList<>();
     out.add(p);
     File f = new File(p);
@@ -1043,10 +804,10 @@ public final class Cmroot {
     return out;
   }
 
-  static void debugDelete(Settings s, String what, String path) {
+  public static void debugDelete(Settings s, String what, String path) {
     if (s.debug) {
-      LOG.warn("cmroot debug: " + what + " " + path + " statement=" + CmrootStatement.current(),
-          new Exception("stack of " + what));
+      LOG.warn("cmroot debug: " + what + " " + path + " thread=" + Thread.currentThread()
+          .getName(), new Exception("stack of " + what));
     }
   }
 
@@ -1058,7 +819,7 @@ public final class Cmroot {
    * listener for tableObj, and through py4j by `cmroot repl dump` on a bootstrap.
    */
   public static String tableJson(Object table) throws IOException {
-    return JSON.writeValueAsString(tableMap(thriftTable(table)));
+    return Json.write(tableMap(thriftTable(table)));
   }
 
   /**
@@ -1070,7 +831,7 @@ public final class Cmroot {
     return protectedLocation(localPath(location), settings(hconf));
   }
 
-  static org.apache.hadoop.hive.metastore.api.Table thriftTable(Object table) {
+  public static org.apache.hadoop.hive.metastore.api.Table thriftTable(Object table) {
     if (table instanceof org.apache.hadoop.hive.metastore.api.Table) {
       return (org.apache.hadoop.hive.metastore.api.Table) table;
     }
@@ -1084,7 +845,7 @@ public final class Cmroot {
     }
   }
 
-  static Map<String, Object> tableMap(org.apache.hadoop.hive.metastore.api.Table t) {
+  public static Map<String, Object> tableMap(org.apache.hadoop.hive.metastore.api.Table t) {
     org.apache.hadoop.hive.metastore.api.StorageDescriptor sd = t.getSd();
     org.apache.hadoop.hive.metastore.api.SerDeInfo serde = sd == null ? null : sd.getSerdeInfo();
     String location = sd == null ? null : sd.getLocation();

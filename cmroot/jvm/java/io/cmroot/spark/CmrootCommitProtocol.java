@@ -1,5 +1,8 @@
 package io.cmroot.spark;
 
+import io.cmroot.core.Cmroot;
+import io.cmroot.core.CmrootTransaction;
+import io.cmroot.core.CmrootFaults;
 import java.io.File;
 import java.io.IOException;
 import java.io.UncheckedIOException;
@@ -52,7 +55,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
   private final String jobId;
   private final String outputPath;
   private final boolean dynamic;
-  private final transient Cmroot.Ctx ctx; // the driver's statement; tasks never need it
+  private final transient Ctx ctx; // the driver's statement; tasks never need it
   // What the deletes Spark asked for would have removed, when it asked (sorted, no duplicates).
   private final transient Set<String> snapshot = new TreeSet<>();
   private final transient List<String> deletedDirs = new ArrayList<>();
@@ -78,7 +81,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
       if (local != null) {
         Cmroot.refuseRootRemoval(local, s, "the overwrite of");
       }
-      if (local == null || !recursive || !Cmroot.protectedPath(local, s, ctx)) {
+      if (local == null || !recursive || !Ctx.protectedPath(local, s, ctx)) {
         return fs.delete(path, recursive);
       }
       if (s.enabled && Files.isRegularFile(Paths.get(local), LinkOption.NOFOLLOW_LINKS)) {
@@ -125,7 +128,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
           list.add(p); // one another writer removed meanwhile is not ours to keep
         }
       }
-      if (dynamic && base != null && Cmroot.protectedPath(base, s, ctx)) {
+      if (dynamic && base != null && Ctx.protectedPath(base, s, ctx)) {
         for (String part : partitionPaths(taskCommits)) {
           list.addAll(Cmroot.filesUnder(Cmroot.localPath(new File(base, part).getPath())));
         }
@@ -151,7 +154,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
           deleteFailedOpen(jobContext, list);
           own = null;
         } else {
-          CmrootFaults.afterPrepare("the job commit of " + outputPath);
+          CmrootFaults.afterPrepare(null, "the job commit of " + outputPath);
         }
       }
       super.commitJob(jobContext, taskCommits);
@@ -246,7 +249,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     if (st == null) {
       return own.prepare(list, partitions(list, base), what);
     }
-    Cmroot.Ctx c = ctx == null || base == null ? null : ctx.appliesTo(base);
+    Ctx c = ctx == null || base == null ? null : ctx.appliesTo(base);
     String db = c == null ? null : c.db;
     String table = c == null ? null : c.table;
     if (!st.prepare(list, "INSERT_OVERWRITE", db, table, false, partitions(list, base),
@@ -269,7 +272,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
   }
 
   private CmrootTransaction transaction(Cmroot.Settings s, String base) {
-    Cmroot.Ctx c = ctx == null || base == null ? null : ctx.appliesTo(base);
+    Ctx c = ctx == null || base == null ? null : ctx.appliesTo(base);
     return new CmrootTransaction(s, "INSERT_OVERWRITE", c == null ? null : c.db,
         c == null ? null : c.table, false, c == null ? null : c.location,
         "the overwrite of " + outputPath);
@@ -280,7 +283,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
    * the custom locations of the statement's table's partitions.
    */
   private List<String> jobFiles(String base) {
-    Cmroot.Ctx c = ctx == null ? null : ctx.appliesTo(base);
+    Ctx c = ctx == null ? null : ctx.appliesTo(base);
     // A partition's own location may lie below a hidden name of the table's (`_x/7`).
     Set<String> files = new TreeSet<>(Cmroot.dataFiles(new File(base), true, jobId));
     for (String d : c == null ? List.<String>of() : c.dirs()) {
@@ -291,7 +294,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
 
   /** The partitions ({k: v}) the files belong to (custom partition locations included). */
   private List<Map<String, String>> partitions(List<String> files, String base) {
-    Cmroot.Ctx c = ctx == null || base == null ? null : ctx.appliesTo(base);
+    Ctx c = ctx == null || base == null ? null : ctx.appliesTo(base);
     return c != null ? c.partitionsOf(files)
         : Cmroot.partitionsOf(files, p -> Cmroot.partitionOf(p, base, false));
   }
@@ -310,8 +313,8 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
    * table of the statement. A CTAS's waits for the metastore listener to record the table.
    */
   private void recordInsert(Cmroot.Settings s, String base) throws Cmroot.EventException {
-    Cmroot.Ctx c = ctx == null || base == null ? null : ctx.appliesTo(base);
-    if (c == null || c.table == null || !Cmroot.protectedPath(base, s, c)) {
+    Ctx c = ctx == null || base == null ? null : ctx.appliesTo(base);
+    if (c == null || c.table == null || !Ctx.protectedPath(base, s, c)) {
       return;
     }
     // A walk of the table: Spark reports the partitions a job wrote only for a dynamic

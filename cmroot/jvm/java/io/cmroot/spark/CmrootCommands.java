@@ -1,5 +1,6 @@
 package io.cmroot.spark;
 
+import io.cmroot.core.Cmroot;
 import java.util.LinkedHashMap;
 import java.util.Map;
 import org.apache.spark.sql.SaveMode;
@@ -51,7 +52,7 @@ final class CmrootCommands {
   private CmrootCommands() {}
 
   /** The context of `plan` when it is one of the statements cmroot wraps; else null. */
-  static Cmroot.Ctx contextOf(LogicalPlan plan, SparkSession session) {
+  static Ctx contextOf(LogicalPlan plan, SparkSession session) {
     if (plan instanceof DropTableCommand) {
       DropTableCommand c = (DropTableCommand) plan;
       return c.isView() ? null : forTable(session, "DROP_TABLE", c.tableName(), c.purge());
@@ -85,10 +86,10 @@ final class CmrootCommands {
       String location = Cmroot.localPath(String.valueOf(c.outputPath()));
       if (c.catalogTable().isDefined()) {
         TableIdentifier id = c.catalogTable().get().identifier();
-        return new Cmroot.Ctx(op, db(session, id), id.table(), false, location)
+        return new Ctx(op, db(session, id), id.table(), false, location)
             .withPartitionDirs(customPartitions(session, id, location));
       }
-      return new Cmroot.Ctx(op, null, null, false, location);
+      return new Ctx(op, null, null, false, location);
     }
     if (plan instanceof InsertIntoHiveTable) {
       InsertIntoHiveTable c = (InsertIntoHiveTable) plan;
@@ -103,7 +104,7 @@ final class CmrootCommands {
           fixed.put(e.getKey(), v == null ? DEFAULT_PARTITION : v);
         }
       }
-      return new Cmroot.Ctx(c.overwrite() ? "INSERT_OVERWRITE" : "INSERT", db(session, id),
+      return new Ctx(c.overwrite() ? "INSERT_OVERWRITE" : "INSERT", db(session, id),
           id.table(), false, location)
           .withPartitionDirs(customPartitions(session, id, location))
           .withStaticSpec(fixed);
@@ -122,7 +123,7 @@ final class CmrootCommands {
       // returned: an event that cannot be recorded then fails the statement with cmroot's
       // error, where from inside the metastore Spark would retry the change and report
       // "already exists" instead. A partition rename's files are listed where they end up.
-      return new Cmroot.Ctx("DELETE", db(session, changed), changed.table(), false, null);
+      return new Ctx("DELETE", db(session, changed), changed.table(), false, null);
     }
     if (plan instanceof CreateDataSourceTableAsSelectCommand) {
       CatalogTable table = ((CreateDataSourceTableAsSelectCommand) plan).table();
@@ -131,7 +132,7 @@ final class CmrootCommands {
       Option<java.net.URI> uri = table.storage().locationUri();
       Object location = uri.isDefined() ? uri.get()
           : session.sessionState().catalog().defaultTablePath(qualified);
-      return new Cmroot.Ctx("INSERT", db(session, id), id.table(), false,
+      return new Ctx("INSERT", db(session, id), id.table(), false,
           Cmroot.localPath(String.valueOf(location)), true);
     }
     return null;
@@ -185,7 +186,7 @@ final class CmrootCommands {
    * The location of the partition `spec` of the statement's table, by the catalog of the
    * session running it; null if there is no such partition (or no session here).
    */
-  static String partitionLocation(Cmroot.Ctx ctx, Map<String, String> spec) {
+  static String partitionLocation(Ctx ctx, Map<String, String> spec) {
     Option<SparkSession> active = SparkSession.getActiveSession();
     if (!active.isDefined() || ctx.table == null) {
       return null;
@@ -228,15 +229,15 @@ final class CmrootCommands {
   }
 
   /** INSERT OVERWRITE DIRECTORY: no table, the directory's old entries are one recycle. */
-  private static Cmroot.Ctx directory(CatalogStorageFormat storage) {
+  private static Ctx directory(CatalogStorageFormat storage) {
     Option<java.net.URI> uri = storage.locationUri();
     return uri.isDefined()
-        ? new Cmroot.Ctx("INSERT_OVERWRITE", null, null, false,
+        ? new Ctx("INSERT_OVERWRITE", null, null, false,
             Cmroot.localPath(String.valueOf(uri.get())))
         : null;
   }
 
-  private static Cmroot.Ctx forTable(SparkSession session, String op, TableIdentifier id,
+  private static Ctx forTable(SparkSession session, String op, TableIdentifier id,
       boolean purge) {
     String db = db(session, id);
     String location = null;
@@ -247,7 +248,7 @@ final class CmrootCommands {
       // no such table (IF EXISTS) or a temporary view: no location to match
     }
     TableIdentifier qualified = new TableIdentifier(id.table(), Option.apply(db));
-    return new Cmroot.Ctx(op, db, id.table(), purge, location)
+    return new Ctx(op, db, id.table(), purge, location)
         .withPartitionDirs(customPartitions(session, qualified, location));
   }
 

@@ -1,8 +1,11 @@
-package io.cmroot.spark;
+package io.cmroot.metastore;
 
+import io.cmroot.core.Cmroot;
 import java.io.File;
 import java.io.IOException;
 import java.util.ArrayList;
+import java.util.Arrays;
+import java.util.Collections;
 import java.util.Iterator;
 import java.util.LinkedHashMap;
 import java.util.List;
@@ -23,11 +26,11 @@ import org.apache.hadoop.hive.metastore.events.DropPartitionEvent;
 import org.apache.hadoop.hive.metastore.events.DropTableEvent;
 
 /**
- * A Hive metastore post-event listener
- * ({@code spark.hadoop.hive.metastore.event.listeners=io.cmroot.spark.CmrootMetastoreEvents})
- * that records the non-destructive metadata changes replication replays: databases and tables
+ * The metastore's post-event listener
+ * ({@code hive.metastore.event.listeners=io.cmroot.metastore.CmrootEventListener}) that
+ * records the non-destructive metadata changes replication replays: databases and tables
  * created, altered and dropped, partitions added, renamed and moved, and drops that held no
- * data (drops with data are recorded by their recycle, which the pre-event listener
+ * data (drops with data are recorded by their recycle, which the transactional listener
  * prepared). Only successful changes of tables under the warehouse roots are recorded; data
  * files are sent as paths, the daemon hashes them.
  *
@@ -35,24 +38,24 @@ import org.apache.hadoop.hive.metastore.events.DropTableEvent;
  * afterwards, so a replica can rebuild it: a table or partition given a new location is an
  * ALTER_LOCATION listing what that location holds; a renamed partition is an ADD_PARTITION
  * of the new one with its files, then a DROP_PARTITION (metadata only) of the old one; a
- * table created over a directory that already holds data lists those files. For a drop made outside a statement it also settles the recycle the
- * pre-event prepared: committed when the metastore reports success, aborted when it reports
- * a failure (the files are back).
+ * table created over a directory that already holds data lists those files. For a drop made outside an engine's statement it also settles the call's
+ * recycles: committed when the metastore reports success, aborted when it reports a failure
+ * (the files are back).
  *
  * <p>These events fire after the metastore committed the change: a failure to record one
- * cannot undo it. With spark.cmroot.failOpen=false the statement then fails with an error
- * saying so; with failOpen=true it is logged and counted.
+ * cannot undo it. With cmroot.failOpen=false the call (or statement) then fails with an
+ * error saying so; with failOpen=true it is logged and counted.
  */
-public class CmrootMetastoreEvents extends MetaStoreEventListener {
+public class CmrootEventListener extends MetaStoreEventListener {
 
   // Table parameters the metastore and Spark keep up to date themselves: an ALTER that only
   // changes these is not a change a replica needs to replay.
-  private static final List<String> STATS_PARAMETERS = List.of("transient_lastDdlTime",
+  private static final List<String> STATS_PARAMETERS = Arrays.asList("transient_lastDdlTime",
       "numFiles", "numFilesErasureCoded", "totalSize", "numRows", "rawDataSize",
       "COLUMN_STATS_ACCURATE", "last_modified_by", "last_modified_time");
   private static final String SPARK_STATS_PREFIX = "spark.sql.statistics.";
 
-  public CmrootMetastoreEvents(Configuration conf) {
+  public CmrootEventListener(Configuration conf) {
     super(conf);
   }
 
@@ -89,7 +92,7 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     if (!e.getStatus() || !Cmroot.protectedLocation(loc, s)) {
       return;
     }
-    CmrootStatement st = CmrootStatement.current();
+    Statement st = Statement.Registry.current();
     Map<String, Object> insert = st == null ? null
         : st.takeDeferredInsert(t.getDbName(), t.getTableName());
     Map<String, Object> body = event("CREATE_TABLE", t.getDbName(), t.getTableName());
@@ -137,7 +140,7 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     // replica takes the table from this event alone, so the event carries all its files.
     boolean crossDb = !old.getDbName().equalsIgnoreCase(t.getDbName());
     record(body, s, "the change of table " + name(old),
-        moved ? () -> flat ? files(loc, s) : List.of() : crossDb ? () -> files(loc, s) : null);
+        moved ? () -> flat ? files(loc, s) : Collections.<String>emptyList() : crossDb ? () -> files(loc, s) : null);
   }
 
   /**
@@ -157,25 +160,25 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     }
     String was = partitionLocation(t, before);
     String now = partitionLocation(t, after);
-    CmrootStatement st = CmrootStatement.current();
-    String key = CmrootMetastoreListener.dropKey(t, after.getValues());
+    Statement st = Statement.Registry.current();
+    String key = Drops.dropKey(t, after.getValues());
     if (!before.getValues().equals(after.getValues())) {
       if (st != null) {
         st.renamedTo(key, now);
       }
       Map<String, Object> add = event("ADD_PARTITION", t.getDbName(), t.getTableName());
       add.put("location", loc);
-      add.put("partitions", List.of(CmrootMetastoreListener.spec(t, after)));
+      add.put("partitions", Collections.singletonList(Drops.spec(t, after)));
       String what = "the rename of partition " + before.getValues() + " of " + name(t);
       // Listed when recorded: at the statement's end, where the files ended up.
       record(add, s, what, () -> {
         String dir = st == null ? now : st.renamedLocation(key);
-        add.put("partitionLocations", places(List.of(String.valueOf(dir)), s));
+        add.put("partitionLocations", places(Collections.singletonList(String.valueOf(dir)), s));
         return files(dir, s);
       });
       Map<String, Object> drop = event("DROP_PARTITION", t.getDbName(), t.getTableName());
       drop.put("location", loc);
-      drop.put("partitions", List.of(CmrootMetastoreListener.spec(t, before)));
+      drop.put("partitions", Collections.singletonList(Drops.spec(t, before)));
       record(drop, s, what);
     } else if (!String.valueOf(was).equals(String.valueOf(now))) {
       if (st != null && st.renamedLocation(key) != null) {
@@ -184,9 +187,9 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
       }
       Map<String, Object> body = event("ALTER_LOCATION", t.getDbName(), t.getTableName());
       body.put("location", loc);
-      body.put("partitions", List.of(CmrootMetastoreListener.spec(t, after)));
+      body.put("partitions", Collections.singletonList(Drops.spec(t, after)));
       // Null when moved out of the roots: a replica must not take it as emptied.
-      body.put("partitionLocations", places(List.of(String.valueOf(now)), s));
+      body.put("partitionLocations", places(Collections.singletonList(String.valueOf(now)), s));
       body.put("tableObj", Cmroot.tableMap(t));
       record(body, s, "the new location of partition " + after.getValues() + " of " + name(t),
           () -> files(now, s));
@@ -196,7 +199,7 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
   /** The data files under `dir`, if it is under the warehouse roots; else none. */
   private static List<String> files(String dir, Cmroot.Settings s) {
     return Cmroot.protectedLocation(dir, s) ? Cmroot.dataFiles(new File(dir), true, null)
-        : List.of();
+        : Collections.<String>emptyList();
   }
 
   /** Each of `dirs` if it is under the warehouse roots; else null (nothing recorded there). */
@@ -250,7 +253,7 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     Iterator<Partition> it = e.getPartitionIterator();
     while (it.hasNext()) {
       Partition p = it.next();
-      parts.add(CmrootMetastoreListener.spec(t, p));
+      parts.add(Drops.spec(t, p));
       String dir = partitionLocation(t, p);
       dirs.add(String.valueOf(dir));
       if (Cmroot.protectedLocation(dir, s)) {
@@ -271,7 +274,7 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
   @Override
   public void onDropTable(DropTableEvent e) throws MetaException {
     Table t = e.getTable();
-    boolean recycled = settle(CmrootMetastoreListener.dropKey(t, null), e.getStatus(),
+    boolean recycled = settle(Drops.dropKey(t, null), e.getStatus(),
         "the drop of table " + name(t));
     Cmroot.Settings s = Cmroot.settings(getConf());
     String loc = location(t);
@@ -290,9 +293,9 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
     Iterator<Partition> it = e.getPartitionIterator();
     while (it.hasNext()) {
       Partition p = it.next();
-      if (!settle(CmrootMetastoreListener.dropKey(t, p.getValues()), e.getStatus(),
+      if (!settle(Drops.dropKey(t, p.getValues()), e.getStatus(),
           "the drop of partition " + p.getValues() + " of " + name(t))) {
-        parts.add(CmrootMetastoreListener.spec(t, p));
+        parts.add(Drops.spec(t, p));
       }
     }
     Cmroot.Settings s = Cmroot.settings(getConf());
@@ -307,20 +310,16 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
   }
 
   /**
-   * Settle the recycle of a drop's data: the one the pre-event prepared outside a statement
-   * is committed when the drop succeeded, aborted when it failed; one staged by the running
+   * Settle the recycle of a drop's data: the call's recycles (outside an engine statement)
+   * are committed when the drop succeeded, aborted when it failed; one staged by the running
    * statement is the statement's to commit, unless the drop failed. Returns whether the drop's
    * data was staged (its event is then the recycle's, not a metadata-only one).
    */
   private static boolean settle(String key, boolean success, String what) throws MetaException {
-    CmrootTransaction tx = CmrootMetastoreListener.takePending(key);
-    if (tx != null) {
-      if (!success) {
-        tx.abort("the metastore could not complete " + what);
-        return true;
-      }
+    Call call = Call.peek();
+    if (call != null && call.staged(key)) {
       try {
-        tx.commit();
+        call.settle(success, "the metastore could not complete " + what);
       } catch (Cmroot.RecycleException ex) {
         MetaException me = new MetaException(ex.getMessage() + " The metastore DID complete "
             + what + ": the files are back in its directory, outside the catalog.");
@@ -329,7 +328,7 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
       }
       return true;
     }
-    CmrootStatement st = CmrootStatement.current();
+    Statement st = Statement.Registry.current();
     if (st != null && st.staged(key)) {
       if (!success) {
         st.fail("the metastore could not complete " + what);
@@ -363,13 +362,13 @@ public class CmrootMetastoreEvents extends MetaStoreEventListener {
   /** record(body, ...), its "files" listed by `files` at the time it is recorded. */
   private static void record(Map<String, Object> body, Cmroot.Settings s, String what,
       java.util.function.Supplier<List<String>> files) throws MetaException {
-    CmrootStatement.Action add = () -> {
+    Statement.Action add = () -> {
       if (files != null) {
         body.put("files", Cmroot.fileRefs(files.get()));
       }
       Cmroot.addEvent(body, s, what);
     };
-    CmrootStatement st = CmrootStatement.current();
+    Statement st = Statement.Registry.current();
     if (st != null) {
       st.afterEnd(add);
       return;

@@ -1,8 +1,7 @@
-package io.cmroot.spark;
+package io.cmroot.core;
 
-import com.fasterxml.jackson.databind.JsonNode;
-import java.time.Duration;
 import java.util.ArrayList;
+import java.util.Collections;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
@@ -22,12 +21,12 @@ import java.util.concurrent.TimeUnit;
  * transaction keeps it; if this JVM dies the renewals stop and the daemon puts the files back
  * when the lease passes. That is also what happens to an abort that cannot reach the daemon.
  */
-final class CmrootTransaction {
+public final class CmrootTransaction {
   // A commit that meets no daemon is retried for about half a minute (a daemon restarting);
   // the lease (spark.cmroot.lease, default 10 minutes) outlasts that many times over.
   private static final int COMMIT_ATTEMPTS = 7;
   private static final long FIRST_BACKOFF_MS = 500;
-  private static final Duration CALL_TIMEOUT = Duration.ofMinutes(10);
+  private static final int CALL_TIMEOUT = 600; // seconds
   // Paths per prepare request: far below the daemon's 100,000 items and 64 MiB body, so a
   // large overwrite is a few joined parts, not one refused request (nor one per file).
   private static final int PATHS_PER_REQUEST = 10_000;
@@ -40,10 +39,10 @@ final class CmrootTransaction {
       });
 
   private final Cmroot.Settings s;
-  final String op;
-  final String db;
-  final String table;
-  final boolean purge;
+  public final String op;
+  public final String db;
+  public final String table;
+  public final boolean purge;
   private final String location;
   private final String what;
   // "copy" for a file the statement moves elsewhere (a rename that leaves its path): its
@@ -51,21 +50,21 @@ final class CmrootTransaction {
   private final String mode;
   // The table's partitions' own locations outside its directory: its files there are the
   // table's too (the daemon otherwise takes one table directory per labelled recycle).
-  private List<String> partitionLocations = List.of();
+  private List<String> partitionLocations = Collections.emptyList();
 
   private volatile String txid; // null until the daemon answered the first prepare
-  private List<JsonNode> files = List.of(); // every file staged so far, with its checksum
+  private List<Object> files = Collections.emptyList(); // every file staged so far
   private boolean finished;
   private boolean committed;
   private ScheduledFuture<?> renewal;
 
   /** `what` names the statement's change in messages ("table db.t", "the overwrite of P"). */
-  CmrootTransaction(Cmroot.Settings s, String op, String db, String table, boolean purge,
+  public CmrootTransaction(Cmroot.Settings s, String op, String db, String table, boolean purge,
       String location, String what) {
     this(s, "move", op, db, table, purge, location, what);
   }
 
-  CmrootTransaction(Cmroot.Settings s, String mode, String op, String db, String table,
+  public CmrootTransaction(Cmroot.Settings s, String mode, String op, String db, String table,
       boolean purge, String location, String what) {
     this.s = s;
     this.mode = mode;
@@ -77,13 +76,20 @@ final class CmrootTransaction {
     this.what = what;
   }
 
-  CmrootTransaction withPartitionLocations(List<String> dirs) {
-    partitionLocations = List.copyOf(dirs);
+  /** Declare more of the table's partition locations outside its directory. */
+  public synchronized CmrootTransaction withPartitionLocations(List<String> dirs) {
+    List<String> all = new ArrayList<>(partitionLocations);
+    for (String d : dirs) {
+      if (!all.contains(d)) {
+        all.add(d);
+      }
+    }
+    partitionLocations = Collections.unmodifiableList(all);
     return this;
   }
 
   /** The key of the transaction a statement keeps for one kind of recycle. */
-  static String key(String op, String db, String table, boolean purge) {
+  public static String key(String op, String db, String table, boolean purge) {
     return op + "\u0000" + db + "\u0000" + table + "\u0000" + purge;
   }
 
@@ -95,7 +101,7 @@ final class CmrootTransaction {
    * refused or could not be reached: nothing of this part was moved and, for a later part,
    * every earlier part is back where it was too (the statement is one unit).
    */
-  synchronized boolean prepare(List<String> paths, List<Map<String, String>> partitions,
+  public synchronized boolean prepare(List<String> paths, List<Map<String, String>> partitions,
       String part) throws Cmroot.RecycleException {
     for (int from = 0; from < paths.size(); from += PATHS_PER_REQUEST) {
       List<String> chunk = paths.subList(from, Math.min(paths.size(), from + PATHS_PER_REQUEST));
@@ -123,7 +129,7 @@ final class CmrootTransaction {
     if (table != null) {
       body.put("table", table);
     }
-    body.put("partitions", partitions == null ? List.of() : partitions);
+    body.put("partitions", partitions == null ? Collections.emptyList() : partitions);
     if (location != null) {
       body.put("location", location);
     }
@@ -147,12 +153,13 @@ final class CmrootTransaction {
     Cmroot.Answer a = Cmroot.post("/v1/recycle", body, s, CALL_TIMEOUT);
     if (a.ok) {
       try {
-        JsonNode answer = a.json();
-        List<JsonNode> staged = new ArrayList<>();
-        answer.path("files").forEach(staged::add);
-        files = staged;
+        Map<String, Object> answer = a.json();
+        files = Json.list(answer, "files");
         if (txid == null) {
-          txid = answer.path("txid").asText();
+          txid = Json.text(answer, "txid");
+          if (txid.isEmpty()) {
+            throw new java.io.IOException("no txid in " + Cmroot.abbreviate(a.body));
+          }
           long every = Math.max(1, s.leaseSeconds / 3);
           renewal = RENEWER.scheduleAtFixedRate(this::renew, every, every, TimeUnit.SECONDS);
         }
@@ -202,7 +209,7 @@ final class CmrootTransaction {
   }
 
   /** Whether a part was staged and neither committed nor aborted yet. */
-  synchronized boolean pending() {
+  public synchronized boolean pending() {
     return txid != null && !finished;
   }
 
@@ -213,7 +220,7 @@ final class CmrootTransaction {
    * always means rolled back. Throws when it was not published; the files are then back in
    * place (now, or by the daemon when the lease passes), never silently.
    */
-  synchronized void commit() throws Cmroot.RecycleException {
+  public synchronized void commit() throws Cmroot.RecycleException {
     if (txid == null || committed) {
       return;
     }
@@ -223,7 +230,8 @@ final class CmrootTransaction {
     Cmroot.Answer a = null;
     long backoff = FIRST_BACKOFF_MS;
     for (int attempt = 1; attempt <= COMMIT_ATTEMPTS; attempt++) {
-      a = Cmroot.post("/v1/transactions/" + txid + "/commit", Map.of(), s, CALL_TIMEOUT);
+      a = Cmroot.post("/v1/transactions/" + txid + "/commit", Collections.<String, Object>emptyMap(), s,
+          CALL_TIMEOUT);
       if (a.ok) {
         committed();
         return;
@@ -278,7 +286,7 @@ final class CmrootTransaction {
    * Put every staged file back. Never throws: if the daemon cannot be reached, it puts them
    * back itself when the lease passes (no renewals come from here any more).
    */
-  synchronized void abort(String why) {
+  public synchronized void abort(String why) {
     abortAnswer(why);
   }
 
@@ -288,8 +296,8 @@ final class CmrootTransaction {
       return 404;
     }
     finish();
-    Cmroot.Answer a = Cmroot.post("/v1/transactions/" + txid + "/abort", Map.of(), s,
-        CALL_TIMEOUT);
+    Cmroot.Answer a = Cmroot.post("/v1/transactions/" + txid + "/abort",
+        Collections.<String, Object>emptyMap(), s, CALL_TIMEOUT);
     if (a.ok || a.status == 404) {
       Cmroot.LOG.info("cmroot: aborted the recycle of {} (transaction {}, {} file(s) put back): "
           + "{}", what, txid, files.size(), why);
@@ -316,7 +324,8 @@ final class CmrootTransaction {
   private void renew() {
     String id = txid;
     Cmroot.Answer a = Cmroot.post("/v1/transactions/" + id + "/renew",
-        Map.of("lease", s.leaseSeconds), s, Duration.ofSeconds(Math.max(1, s.leaseSeconds / 3)));
+        Collections.<String, Object>singletonMap("lease", s.leaseSeconds), s,
+        (int) Math.max(1, s.leaseSeconds / 3));
     if (!a.ok && a.status != 0) {
       Cmroot.LOG.error("cmroot: the lease of the recycle of {} (transaction {}) could not be "
           + "renewed: {}", what, id, a.problem);

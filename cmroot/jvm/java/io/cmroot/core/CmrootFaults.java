@@ -1,13 +1,15 @@
-package io.cmroot.spark;
+package io.cmroot.core;
 
 import java.io.File;
 import java.io.IOException;
 import java.util.concurrent.TimeUnit;
+import org.apache.hadoop.conf.Configuration;
 
 /**
  * Test fault points, for the tests of what happens between a prepared recycle and the
- * statement's own commit (tests/spark/test_spark_integrity.py). Both are off unless set in
- * the application's static conf; they are never needed in production:
+ * statement's (or metastore call's) own commit. Both are off unless set in the application's
+ * static conf (or the metastore's hive-site.xml as cmroot.test.*); they are never needed in
+ * production:
  *
  * <ul>
  *   <li>{@code spark.cmroot.test.failAfterPrepare=true}: every hook fails right after its
@@ -18,12 +20,12 @@ import java.util.concurrent.TimeUnit;
  *       a test can then stop or restart the daemon between prepare and commit.
  * </ul>
  */
-final class CmrootFaults {
+public final class CmrootFaults {
   private CmrootFaults() {}
 
   /** The point between a prepared recycle and the commit of the statement that made it. */
-  static void afterPrepare(String where) throws IOException {
-    String pause = Cmroot.conf(null, "test.pauseAfterPrepare", null);
+  public static void afterPrepare(Configuration hconf, String where) throws IOException {
+    String pause = Cmroot.conf(hconf, "test.pauseAfterPrepare", null);
     if (pause != null) {
       File dir = new File(pause);
       new File(dir, "reached").createNewFile(); // false when a part before this one made it
@@ -37,7 +39,7 @@ final class CmrootFaults {
         }
       }
     }
-    if (Boolean.parseBoolean(Cmroot.conf(null, "test.failAfterPrepare", "false"))) {
+    if (Boolean.parseBoolean(Cmroot.conf(hconf, "test.failAfterPrepare", "false"))) {
       throw new IOException("cmroot test fault point spark.cmroot.test.failAfterPrepare: "
           + where + " fails after its recycle was prepared");
     }

@@ -1,5 +1,8 @@
 package io.cmroot.spark;
 
+import io.cmroot.metastore.Statement;
+import io.cmroot.core.Cmroot;
+import io.cmroot.core.CmrootTransaction;
 import java.util.ArrayList;
 import java.util.LinkedHashMap;
 import java.util.List;
@@ -8,7 +11,7 @@ import java.util.Set;
 import java.util.concurrent.ConcurrentHashMap;
 
 /**
- * One destructive statement while it runs: what it does ({@link Cmroot.Ctx}: op, table,
+ * One destructive statement while it runs: what it does ({@link Ctx}: op, table,
  * purge, location) and the prepared recycles of every delete it makes, one
  * {@link CmrootTransaction} per (op, db, table, purge), committed together once the
  * statement succeeded and aborted together when it failed (invariant 2: a statement is one
@@ -24,11 +27,16 @@ import java.util.concurrent.ConcurrentHashMap;
  * table's old files from a pool it starts for the call); a thread that outlives it finds it
  * closed and ignores it.
  */
-public final class CmrootStatement {
+public final class CmrootStatement implements Statement {
   private static final InheritableThreadLocal<CmrootStatement> CURRENT =
       new InheritableThreadLocal<>();
 
-  final Cmroot.Ctx ctx;
+  static {
+    // The embedded metastore's listeners stage and record as parts of the running statement.
+    Statement.Registry.register(CmrootStatement::current);
+  }
+
+  final Ctx ctx;
   private final Cmroot.Settings s;
   private final CmrootStatement outer;
   // The outermost statement: the unit that holds, commits and aborts every recycle.
@@ -64,7 +72,7 @@ public final class CmrootStatement {
   private volatile boolean open = true;
   private volatile String failure;
 
-  private CmrootStatement(Cmroot.Ctx ctx, Cmroot.Settings s, CmrootStatement outer) {
+  private CmrootStatement(Ctx ctx, Cmroot.Settings s, CmrootStatement outer) {
     this.ctx = ctx;
     this.s = s;
     this.outer = outer;
@@ -72,7 +80,7 @@ public final class CmrootStatement {
   }
 
   /** Open a statement on this thread; {@link #close} it in a finally block. */
-  static CmrootStatement open(Cmroot.Ctx ctx, Cmroot.Settings s) {
+  static CmrootStatement open(Ctx ctx, Cmroot.Settings s) {
     CmrootStatement st = new CmrootStatement(ctx, s, current());
     CURRENT.set(st);
     return st;
@@ -96,7 +104,7 @@ public final class CmrootStatement {
   }
 
   /** The context of the current statement, if `path` belongs to its table; else null. */
-  static Cmroot.Ctx contextFor(String path) {
+  static Ctx contextFor(String path) {
     CmrootStatement st = current();
     return st == null ? null : st.ctx.appliesTo(path);
   }
@@ -105,8 +113,9 @@ public final class CmrootStatement {
    * Stage `paths` as a part of this statement: they join its transaction for (op, db, table,
    * purge). Returns false when failed open (the caller deletes as Spark would).
    */
-  boolean prepare(List<String> paths, String op, String db, String table, boolean purge,
-      List<Map<String, String>> partitions, String location, String part)
+  @Override
+  public boolean prepare(List<String> paths, String op, String db, String table,
+      boolean purge, List<Map<String, String>> partitions, String location, String part)
       throws Cmroot.RecycleException {
     CmrootStatement u = unit;
     if (u.failure != null) {
@@ -150,7 +159,7 @@ public final class CmrootStatement {
    * statement: a copy-mode recycle, op DELETE, committed with the rest. The rename then moves
    * the files themselves. Returns false when failed open.
    */
-  boolean prepareCopy(List<String> paths, String part, Cmroot.Ctx from)
+  boolean prepareCopy(List<String> paths, String part, Ctx from)
       throws Cmroot.RecycleException {
     CmrootStatement u = unit;
     if (u.failure != null) {
@@ -219,7 +228,7 @@ public final class CmrootStatement {
     }
   }
 
-  private void recordMovedIn(Cmroot.Ctx c) throws java.io.IOException {
+  private void recordMovedIn(Ctx c) throws java.io.IOException {
     List<String> files;
     synchronized (movedIn) {
       files = new ArrayList<>(movedIn);
@@ -238,12 +247,14 @@ public final class CmrootStatement {
   }
 
   /** The partition `key` was renamed (or renamed and moved again) to `dir` by this statement. */
-  void renamedTo(String key, String dir) {
+  @Override
+  public void renamedTo(String key, String dir) {
     unit.renamed.put(key, String.valueOf(dir));
   }
 
   /** Where the partition `key` renamed by this statement is now; null if it was not. */
-  String renamedLocation(String key) {
+  @Override
+  public String renamedLocation(String key) {
     return unit.renamed.get(key);
   }
 
@@ -317,11 +328,13 @@ public final class CmrootStatement {
     return unit.stagedFiles.contains(path);
   }
 
-  void markStaged(String dropKey) {
+  @Override
+  public void markStaged(String dropKey) {
     unit.staged.add(dropKey);
   }
 
-  boolean staged(String dropKey) {
+  @Override
+  public boolean staged(String dropKey) {
     return unit.staged.contains(dropKey);
   }
 
@@ -329,7 +342,8 @@ public final class CmrootStatement {
     unit.deferredInserts.put(Cmroot.tableKey(db, table), body);
   }
 
-  Map<String, Object> takeDeferredInsert(String db, String table) {
+  @Override
+  public Map<String, Object> takeDeferredInsert(String db, String table) {
     return unit.deferredInserts.remove(Cmroot.tableKey(db, table));
   }
 
@@ -337,14 +351,10 @@ public final class CmrootStatement {
    * A part of the statement failed where Spark may not see it (the metastore reports a failed
    * drop to its post-event listeners): put everything back now; the commit then fails.
    */
-  void fail(String why) {
+  @Override
+  public void fail(String why) {
     unit.failure = why;
     unit.abort(why);
-  }
-
-  /** Work that follows the statement's commit, or undoes a write; it may throw. */
-  interface Action {
-    void run() throws java.io.IOException;
   }
 
   /** An action waiting for the statement's end; `always`: also when the statement fails. */
@@ -370,7 +380,8 @@ public final class CmrootStatement {
    * recycles were committed, in the order of {@link #afterCommit}; after they were put back
    * when it fails.
    */
-  void afterEnd(Action action) {
+  @Override
+  public void afterEnd(Action action) {
     synchronized (unit.afterCommit) {
       unit.afterCommit.add(new Pending(action, true));
     }

@@ -1,5 +1,6 @@
 package io.cmroot.spark;
 
+import io.cmroot.core.Cmroot;
 import java.io.UncheckedIOException;
 import org.apache.spark.sql.SparkSession;
 import org.apache.spark.sql.SparkSessionExtensions;
@@ -88,7 +89,7 @@ public class CmrootExtensions extends AbstractFunction1<SparkSessionExtensions, 
       if (plan instanceof Union) {
         return multiInsert((Union) plan);
       }
-      Cmroot.Ctx ctx = CmrootCommands.contextOf(plan, session);
+      Ctx ctx = CmrootCommands.contextOf(plan, session);
       if (s.debug) {
         Cmroot.LOG.warn("cmroot debug: statement {} -> {}", plan.getClass().getName(), ctx);
       }
@@ -105,12 +106,12 @@ public class CmrootExtensions extends AbstractFunction1<SparkSessionExtensions, 
       LogicalPlan wrapped = union.mapChildren(new AbstractFunction1<LogicalPlan, LogicalPlan>() {
         @Override
         public LogicalPlan apply(LogicalPlan child) {
-          Cmroot.Ctx ctx = CmrootCommands.contextOf(child, session);
+          Ctx ctx = CmrootCommands.contextOf(child, session);
           any[0] |= ctx != null;
           return ctx == null ? child : new CmrootStatementCommand(child, ctx);
         }
       });
-      return any[0] ? new CmrootStatementCommand(wrapped, Cmroot.Ctx.MULTI_INSERT) : union;
+      return any[0] ? new CmrootStatementCommand(wrapped, Ctx.MULTI_INSERT) : union;
     }
   }
 

@@ -1,5 +1,8 @@
 package io.cmroot.spark;
 
+import io.cmroot.core.Cmroot;
+import io.cmroot.core.CmrootTransaction;
+import io.cmroot.core.CmrootFaults;
 import java.io.File;
 import java.io.IOException;
 import java.nio.file.Files;
@@ -60,7 +63,7 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
       return;
     }
     String local = Cmroot.localPath(pathToFile(f).getPath());
-    Cmroot.Ctx into = local == null ? null : st.ctx.appliesTo(local);
+    Ctx into = local == null ? null : st.ctx.appliesTo(local);
     if (into != null && into.table != null && !into.temporary(local)
         && !Cmroot.isHiddenName(new File(local).getName())) {
       st.movedIn(null, local, List.of(local));
@@ -117,14 +120,14 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     }
     Cmroot.Settings s = Cmroot.settings(getConf());
     String target = s.enabled ? Cmroot.localPath(pathToFile(dst).getPath()) : null;
-    if (Cmroot.protectedPath(target, s, statementCtx())) {
+    if (Ctx.protectedPath(target, s, statementCtx())) {
       refuseLate("move into", target);
     }
     recycleReplaced(dst);
     CmrootStatement st = CmrootStatement.current();
     String from = st == null || !s.enabled ? null : Cmroot.localPath(pathToFile(src).getPath());
     String to = from == null ? null : Cmroot.localPath(pathToFile(dst).getPath());
-    Cmroot.Ctx into = to == null ? null : st.ctx.appliesTo(to);
+    Ctx into = to == null ? null : st.ctx.appliesTo(to);
     java.nio.file.Path source = from == null ? null : new File(from).toPath();
     boolean link = source != null && Files.isSymbolicLink(source);
     // LOAD DATA moves what its path holds one entry at a time: files, and directories whole.
@@ -146,7 +149,7 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     // of this one): their bytes are kept there first, unless the statement did at its start.
     List<String> keep = st.notKept(files);
     boolean data = st.ctx.loading ? Cmroot.protectedLocation(from, s)
-        : Cmroot.protectedPath(from, s, into);
+        : Ctx.protectedPath(from, s, into);
     if (data && !keep.isEmpty() && !st.prepareCopy(keep,
         "the move of " + from + " into " + into.table, into.appliesTo(from))) {
       return super.rename(src, dst); // failed open
@@ -167,7 +170,7 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
   }
 
   /** The context of the statement running on this thread, or null. */
-  private static Cmroot.Ctx statementCtx() {
+  private static Ctx statementCtx() {
     CmrootStatement st = CmrootStatement.current();
     return st == null ? null : st.ctx;
   }
@@ -221,7 +224,7 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     Cmroot.Settings s = Cmroot.settings(getConf());
     String local = s.enabled ? Cmroot.localPath(pathToFile(f).getPath()) : null;
     if (local == null || Cmroot.isHiddenName(new File(local).getName())
-        || !Cmroot.protectedPath(local, s, statementCtx())) {
+        || !Ctx.protectedPath(local, s, statementCtx())) {
       return;
     }
     java.nio.file.Path p = new File(local).toPath();
@@ -269,8 +272,8 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
       return super.delete(f, recursive);
     }
     Cmroot.refuseRootRemoval(local, s, "the delete of");
-    Cmroot.Ctx sctx = statementCtx();
-    if (!Cmroot.protectedPath(local, s, sctx)) {
+    Ctx sctx = statementCtx();
+    if (!Ctx.protectedPath(local, s, sctx)) {
       // A job's clean-up of <t>/_temporary where the catalog placed a partition below it
       // (<t>/_temporary/7): the job's leftovers go, the partition stays.
       List<String> keep = sctx == null || !recursive ? List.of() : sctx.dirsBelow(local);
@@ -300,7 +303,7 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     if (file.isDirectory() && !recursive) {
       return super.delete(f, false); // a non-empty directory: Hadoop refuses, as it should
     }
-    Cmroot.Ctx ctx = CmrootStatement.contextFor(local);
+    Ctx ctx = CmrootStatement.contextFor(local);
     String op = ctx == null ? "DELETE" : ctx.deleteOp();
     Map<String, String> part = ctx == null ? Cmroot.partitionOf(local, null, file.isDirectory())
         : ctx.partitionOf(local, file.isDirectory());
@@ -337,7 +340,7 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
       if (file.exists()) {
         super.delete(f, true); // what the daemon left is empty directories only
       }
-      CmrootFaults.afterPrepare(what);
+      CmrootFaults.afterPrepare(null, what);
       if (own != null) {
         own.commit();
       }
@@ -374,7 +377,7 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
       }
       st.markFilesStaged(paths);
     }
-    CmrootFaults.afterPrepare(what);
+    CmrootFaults.afterPrepare(null, what);
     return true;
   }
 }

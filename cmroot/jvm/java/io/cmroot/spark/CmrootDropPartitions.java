@@ -1,5 +1,8 @@
 package io.cmroot.spark;
 
+import io.cmroot.metastore.Drops;
+import io.cmroot.core.Cmroot;
+import io.cmroot.core.CmrootFaults;
 import java.io.File;
 import java.io.IOException;
 import java.util.ArrayList;
@@ -70,7 +73,7 @@ final class CmrootDropPartitions {
         }
         paths.addAll(Cmroot.contents(loc));
         parts.add(kv);
-        keys.add(CmrootMetastoreListener.dropKey(db, qualified.table(), values));
+        keys.add(Drops.dropKey(db, qualified.table(), values));
       }
     }
     if (paths.isEmpty()) {
@@ -80,7 +83,7 @@ final class CmrootDropPartitions {
     if (st.prepare(paths, "DROP_PARTITION", db, id.table(), purge, parts,
         Cmroot.protectedLocation(tableLoc, s) ? tableLoc : null, what)) {
       keys.forEach(st::markStaged);
-      CmrootFaults.afterPrepare("the drop of " + what);
+      CmrootFaults.afterPrepare(null, "the drop of " + what);
     }
   }
 

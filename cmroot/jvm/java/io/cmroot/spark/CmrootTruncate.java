@@ -1,5 +1,7 @@
 package io.cmroot.spark;
 
+import io.cmroot.core.Cmroot;
+import io.cmroot.core.CmrootFaults;
 import java.io.File;
 import java.io.IOException;
 import java.util.ArrayList;
@@ -86,7 +88,7 @@ final class CmrootTruncate {
     String what = "TRUNCATE TABLE " + db + "." + id.table();
     if (st.prepare(files, "TRUNCATE", db, id.table(), false, emptied,
         Cmroot.protectedLocation(tableLoc, s) ? tableLoc : null, what)) {
-      CmrootFaults.afterPrepare(what);
+      CmrootFaults.afterPrepare(null, what);
     }
   }
 }

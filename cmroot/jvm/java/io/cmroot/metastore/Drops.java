@@ -1,0 +1,121 @@
+package io.cmroot.metastore;
+
+import io.cmroot.core.Cmroot;
+import java.lang.reflect.Method;
+import java.util.ArrayList;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import org.apache.hadoop.conf.Configuration;
+import org.apache.hadoop.hive.metastore.api.EnvironmentContext;
+import org.apache.hadoop.hive.metastore.api.FieldSchema;
+import org.apache.hadoop.hive.metastore.api.MetaException;
+import org.apache.hadoop.hive.metastore.api.Partition;
+import org.apache.hadoop.hive.metastore.api.Table;
+import org.apache.hadoop.hive.metastore.events.PreEventContext;
+
+/** What the listeners share about a drop: names, keys, places and the purge flag. */
+public final class Drops {
+  private Drops() {}
+
+  static Cmroot.Settings settings(Configuration conf) {
+    return Cmroot.settings(conf);
+  }
+
+  /** The key of a drop (a table, or one of its partitions by values) within a call. */
+  static String dropKey(Table t, List<String> values) {
+    return dropKey(t.getDbName(), t.getTableName(), values);
+  }
+
+  public static String dropKey(String db, String table, List<String> values) {
+    return Cmroot.tableKey(db, table) + (values == null ? "" : "/" + String.join("/", values));
+  }
+
+  static String name(Table t) {
+    return t.getDbName() + "." + t.getTableName();
+  }
+
+  /** The partition's {key: value}. */
+  static Map<String, String> spec(Table t, Partition p) {
+    Map<String, String> kv = new LinkedHashMap<>();
+    List<FieldSchema> keys = t.getPartitionKeys();
+    List<String> values = p.getValues();
+    for (int i = 0; i < keys.size() && i < values.size(); i++) {
+      kv.put(keys.get(i).getName(), values.get(i));
+    }
+    return kv;
+  }
+
+  /** Does the metastore delete this table's data when it drops it (not an external one)? */
+  static boolean managed(Table t) {
+    String ext = t.getParameters() == null ? null : t.getParameters().get("EXTERNAL");
+    return !"EXTERNAL_TABLE".equals(t.getTableType()) && !"TRUE".equalsIgnoreCase(ext);
+  }
+
+  static String location(Table t) {
+    return t.getSd() == null ? null : Cmroot.localPath(t.getSd().getLocation());
+  }
+
+  static String location(Partition p) {
+    return p.getSd() == null ? null : Cmroot.localPath(p.getSd().getLocation());
+  }
+
+  /**
+   * Whether the drop purges, as the metastore decides it for its own delete: the call's
+   * "ifPurge" (DROP ... PURGE), else the table's auto.purge parameter.
+   */
+  static boolean purge(EnvironmentContext env, Table t) {
+    Map<String, String> props = env == null ? null : env.getProperties();
+    if (props != null && "true".equalsIgnoreCase(props.get("ifPurge"))) {
+      return true;
+    }
+    String auto = t.getParameters() == null ? null : t.getParameters().get("auto.purge");
+    return "true".equalsIgnoreCase(auto);
+  }
+
+  /**
+   * The table's partitions, read from the metastore's store in the call's own transaction
+   * (no nested call, so no events): by reflection, as the store's API differs between Hive
+   * 2 and 3 (3 adds a catalog name). Refuses the drop when they cannot be read: its own
+   * locations would be deleted unkept.
+   */
+  static List<Partition> partitions(PreEventContext event, Table t) throws MetaException {
+    try {
+      // getHandler()'s declared type differs between Hive 2 and 3: called by name.
+      Object handler = event.getClass().getMethod("getHandler").invoke(event);
+      Object ms = handler.getClass().getMethod("getMS").invoke(handler);
+      Object got;
+      try {
+        Method m = ms.getClass().getMethod("getPartitions", String.class, String.class,
+            int.class);
+        got = m.invoke(ms, t.getDbName(), t.getTableName(), -1);
+      } catch (NoSuchMethodException e) {
+        Method m = ms.getClass().getMethod("getPartitions", String.class, String.class,
+            String.class, int.class);
+        String cat = (String) t.getClass().getMethod("getCatName").invoke(t);
+        got = m.invoke(ms, cat == null ? "hive" : cat, t.getDbName(), t.getTableName(), -1);
+      }
+      List<Partition> out = new ArrayList<>();
+      for (Object o : (List<?>) got) {
+        out.add((Partition) o);
+      }
+      return out;
+    } catch (ReflectiveOperationException | RuntimeException e) {
+      Throwable cause = e instanceof java.lang.reflect.InvocationTargetException
+          ? e.getCause() : e;
+      MetaException me = new MetaException("cmroot cannot list the partitions of "
+          + name(t) + " that DROP TABLE deletes (" + cause + "): nothing was dropped");
+      me.initCause(cause);
+      throw me;
+    }
+  }
+
+  /** `ex` as the metastore's error: the call fails with cmroot's message. */
+  static MetaException metaException(Exception ex) {
+    String msg = ex instanceof Cmroot.RecycleException || ex.getMessage() != null
+        && ex.getMessage().startsWith("cmroot") ? ex.getMessage() : "cmroot: " + ex;
+    MetaException me = new MetaException(msg);
+    me.initCause(ex);
+    return me;
+  }
+}
