@@ -157,6 +157,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--fail-open", action="store_true", help="delete anyway if cmroot is down")
     s.add_argument(
+        "--metastore-plugin",
+        action="store_true",
+        help="the application's remote metastore (hive.metastore.uris) runs the cmroot plugin "
+        "(`cmroot metastore-conf`): drops are left to it",
+    )
+    s.add_argument(
         "--warehouse-dir",
         metavar="DIR",
         help="spark.sql.warehouse.dir to print (default: the first local warehouse root when "
@@ -695,7 +701,8 @@ def _spark_conf(args: argparse.Namespace) -> int:
             f"spark-conf needs the daemon's http(s) URL, not {url!r}",
             "give --url http://host:port (the daemon listens on TCP besides server.socket)",
         )
-    conf = spark.spark_conf(url, args.token, fail_open=args.fail_open)
+    conf = spark.spark_conf(url, args.token, fail_open=args.fail_open,
+                            metastore_plugin=args.metastore_plugin)
     # The local config's roots are that daemon's only when it is the daemon the URL names:
     # for another one, a guessed warehouse dir would point Spark outside its roots.
     own = args.url is None or args.url.rstrip("/") == config.server.base_url.rstrip("/")

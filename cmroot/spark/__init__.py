@@ -67,9 +67,14 @@ def spark_conf(
     fail_open: bool = False,
     enabled: bool = True,
     warehouse_roots: list[str] | None = None,
+    metastore_plugin: bool = False,
     **extra: Any,
 ) -> dict[str, str]:
     """The Spark conf that turns the hook on, as {key: value}.
+
+    `metastore_plugin`: the application's metastore is remote and runs the cmroot plugin
+    (`cmroot metastore-conf`), which then protects drops; without it, drops a remote
+    metastore would delete are refused.
 
     `extra` adds `spark.cmroot.<key>` entries (e.g. `debug=True`); keys containing a dot
     are taken as full Spark keys."""
@@ -87,6 +92,8 @@ def spark_conf(
         "spark.cmroot.enabled": _bool(enabled),
         "spark.cmroot.failOpen": _bool(fail_open),
     }
+    if metastore_plugin:
+        conf["spark.cmroot.metastorePlugin"] = "true"
     token = token or os.environ.get("CMROOT_TOKEN")
     if token:
         conf["spark.cmroot.token"] = token

@@ -82,7 +82,8 @@ public final class Cmroot {
 
   /** The keys a session may not change: they decide whether and where files are kept. */
   public static final List<String> FIXED_KEYS = Collections.unmodifiableList(Arrays.asList(
-      "url", "token", "tokenFile", "enabled", "failOpen", "warehouseRoots", "lease"));
+      "url", "token", "tokenFile", "enabled", "failOpen", "warehouseRoots", "lease",
+      "metastorePlugin"));
 
   /**
    * spark.cmroot.KEY from the application's static conf (the SparkConf every SparkEnv of the

@@ -31,6 +31,8 @@ import scala.runtime.BoxedUnit;
  *       writes) is one statement, each write nested in it with its own context.
  *   <li>a check rule refusing DROP DATABASE of a database located at a warehouse root or at
  *       a directory containing one, before anything is dropped.
+ *   <li>a check rule refusing drops a remote metastore would delete unkept
+ *       ({@link RemoteMetastore}).
  *   <li>the cmroot settings that decide whether and where files are kept
  *       ({@link Cmroot#FIXED_KEYS}) are the application's: registered as static SQL configs,
  *       so {@code spark.conf.set} refuses them, and a check rule refuses {@code SET} of any
@@ -64,6 +66,19 @@ public class CmrootExtensions extends AbstractFunction1<SparkSessionExtensions, 
           @Override
           public Function1<LogicalPlan, BoxedUnit> apply(SparkSession session) {
             return new RefuseRootDatabaseDrops(session);
+          }
+        });
+    ext.injectCheckRule(
+        new AbstractFunction1<SparkSession, Function1<LogicalPlan, BoxedUnit>>() {
+          @Override
+          public Function1<LogicalPlan, BoxedUnit> apply(SparkSession session) {
+            return new AbstractFunction1<LogicalPlan, BoxedUnit>() {
+              @Override
+              public BoxedUnit apply(LogicalPlan plan) {
+                RemoteMetastore.refuseUnprotected(session, plan, Cmroot.settings(null));
+                return BoxedUnit.UNIT;
+              }
+            };
           }
         });
     return BoxedUnit.UNIT;

@@ -445,6 +445,25 @@ public final class CmrootStatement implements Statement {
         throw Cmroot.unchecked(e);
       }
     }
+    recordDeferredInserts();
+  }
+
+  /**
+   * A CTAS's INSERT that no metastore listener in this JVM took: the metastore is remote,
+   * and its cmroot plugin recorded the CREATE_TABLE while the statement ran. Recorded now,
+   * after it, as the embedded listener would have.
+   */
+  private void recordDeferredInserts() {
+    List<Map<String, Object>> left = new ArrayList<>(deferredInserts.values());
+    deferredInserts.clear();
+    for (Map<String, Object> body : left) {
+      try {
+        Cmroot.addEvent(body, s, "the data written by CREATE TABLE " + body.get("db") + "."
+            + body.get("table") + " AS SELECT");
+      } catch (java.io.IOException e) {
+        throw Cmroot.unchecked(e);
+      }
+    }
   }
 
   /** Put back every file the statement staged (never throws; see CmrootTransaction.abort). */

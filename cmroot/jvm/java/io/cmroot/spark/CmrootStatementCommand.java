@@ -56,7 +56,10 @@ public final class CmrootStatementCommand extends LogicalPlan implements LeafRun
     try {
       List<Row> rows;
       try {
-        if (inner instanceof AlterTableDropPartitionCommand) {
+        if (inner instanceof AlterTableDropPartitionCommand
+            && !RemoteMetastore.pluginProtects(session)) {
+          // Staged here for the whole statement; with the metastore plugin, per metastore
+          // call in the metastore (the data is deleted there).
           CmrootDropPartitions.stage(session, (AlterTableDropPartitionCommand) inner, st, s);
         } else if (inner instanceof TruncateTableCommand) {
           CmrootTruncate.stage(session, (TruncateTableCommand) inner, st, s);
