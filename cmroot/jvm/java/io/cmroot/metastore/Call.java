@@ -8,14 +8,20 @@ import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 import java.util.Set;
+import org.apache.hadoop.hive.metastore.api.Partition;
+import org.apache.hadoop.hive.metastore.api.Table;
 
 /**
  * One metastore call that drops data (a Thrift request, on the handler thread that serves
  * it), outside any engine statement: everything it drops is staged in one recycle per
  * (op, db, table, purge) and settled when the metastore reports how the call ended:
  * committed on success, aborted (every file back) on failure. So a call is all-or-nothing,
- * a drop of many partitions in one request included. A call the post-event listener did not
- * settle (a later listener failed the call first) is settled by the end-function listener.
+ * a drop of many partitions in one request included.
+ *
+ * <p>The post-event listener settles the call; the end-function listener forgets it. Some
+ * calls have no end function (drop_partitions_req): a settled call is then forgotten when
+ * the next drop call on the thread begins (its first pre-event), and one never settled (a
+ * listener before cmroot's failed the call) is aborted there, its files back.
  */
 final class Call {
   private static final ThreadLocal<Call> CURRENT = new ThreadLocal<>();
@@ -26,13 +32,36 @@ final class Call {
   // Directories a table's drop also deletes: its partitions' own locations outside its
   // directory, read by the pre-event while the partitions were still in the catalog.
   private final Map<String, List<String>> partitionDirs = new LinkedHashMap<>();
+  // The partitions the call drops, by table key, announced by its pre-events (all of them
+  // come before any is staged): staged together at the first one's transactional event.
+  private final Map<String, Map<String, Partition>> dropping = new LinkedHashMap<>();
+  private final Set<String> taken = new HashSet<>();
+  private boolean settled;
 
   private Call() {}
 
-  /** This thread's call, begun on first use. */
+  /**
+   * A drop call begins (its pre-event): a call the thread still holds from before is over.
+   * Kept only while it has staged nothing and is not settled: the pre-events of one call
+   * that drops many partitions all come before any of its data is staged.
+   */
+  static void begin() {
+    Call c = CURRENT.get();
+    if (c == null || !c.settled && c.txs.isEmpty()) {
+      return;
+    }
+    CURRENT.remove();
+    if (!c.settled) {
+      for (CmrootTransaction tx : c.txs.values()) {
+        tx.abort("the metastore call that staged it never reported its end");
+      }
+    }
+  }
+
+  /** This thread's call, begun on first use (afresh after a settled one). */
   static Call get() {
     Call c = CURRENT.get();
-    if (c == null) {
+    if (c == null || c.settled) {
       c = new Call();
       CURRENT.set(c);
     }
@@ -68,6 +97,31 @@ final class Call {
     partitionDirs.put(dropKey, new ArrayList<>(dirs));
   }
 
+  void planPartitionDrop(Table t, Partition p) {
+    String table = Drops.dropKey(t, null);
+    Map<String, Partition> parts = dropping.get(table);
+    if (parts == null) {
+      parts = new LinkedHashMap<>();
+      dropping.put(table, parts);
+    }
+    parts.put(Drops.dropKey(t, p.getValues()), p);
+  }
+
+  /** The partitions of `t` the call drops and has not staged yet (taken: staged once). */
+  List<Partition> takePartitionDrops(Table t) {
+    Map<String, Partition> parts = dropping.remove(Drops.dropKey(t, null));
+    if (parts == null) {
+      return new ArrayList<>();
+    }
+    taken.addAll(parts.keySet());
+    return new ArrayList<>(parts.values());
+  }
+
+  /** Was the partition (drop key) among those a pre-event announced and staging took? */
+  boolean announced(String dropKey) {
+    return taken.contains(dropKey);
+  }
+
   List<String> plannedPartitionDirs(String dropKey) {
     List<String> dirs = partitionDirs.get(dropKey);
     return dirs == null ? new ArrayList<String>() : dirs;
@@ -79,6 +133,7 @@ final class Call {
    * the recycle back) aborts the rest and throws: the metastore DID complete the call.
    */
   void settle(boolean success, String why) throws Cmroot.RecycleException {
+    settled = true;
     Cmroot.RecycleException failed = null;
     for (CmrootTransaction tx : txs.values()) {
       if (!success || failed != null) {

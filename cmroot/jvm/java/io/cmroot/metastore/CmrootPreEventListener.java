@@ -20,9 +20,10 @@ import org.apache.hadoop.hive.metastore.events.PreEventContext;
  * ({@code hive.metastore.pre.event.listeners=io.cmroot.metastore.CmrootPreEventListener}):
  * before the metastore changes anything for a drop, it refuses one that would delete a
  * warehouse root (a database, table or partition located at one, or at a directory holding
- * one: its recursive delete would take the warehouse), and notes the directories a table's
- * drop deletes besides the table's own (its partitions' own locations, gone from the catalog
- * by the time the data is staged).
+ * one: its recursive delete would take the warehouse), and notes what the call drops: the
+ * partitions (a call may drop many; they are staged together), and the directories a
+ * table's drop deletes besides the table's own (its partitions' own locations, gone from the
+ * catalog by the time the data is staged).
  *
  * <p>The data itself is staged by {@link CmrootTransactionalListener}, inside the metastore's
  * transaction, where the call's purge flag is known and a refusal rolls the drop back.
@@ -37,24 +38,24 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
   public void onEvent(PreEventContext event) throws MetaException {
     try {
       if (event instanceof PreDropDatabaseEvent) {
-        Database d = ((PreDropDatabaseEvent) event).getDatabase();
-        Cmroot.Settings s = Drops.settings(getConf());
-        Cmroot.refuseRootRemoval(Cmroot.localPath(d.getLocationUri()), s,
-            "DROP DATABASE " + d.getName() + " located at");
+        dropDatabase(((PreDropDatabaseEvent) event).getDatabase(), event);
       } else if (event instanceof PreDropTableEvent) {
         PreDropTableEvent e = (PreDropTableEvent) event;
         if (e.getDeleteData() && Drops.managed(e.getTable())) {
+          Call.begin();
           dropTable(e.getTable(), event);
         }
       } else if (event instanceof PreDropPartitionEvent) {
         PreDropPartitionEvent e = (PreDropPartitionEvent) event;
         if (e.getDeleteData() && Drops.managed(e.getTable())) {
+          Call.begin();
           Cmroot.Settings s = Drops.settings(getConf());
           Iterator<Partition> it = e.getPartitionIterator();
           while (it.hasNext()) {
             Partition p = it.next();
             Cmroot.refuseRootRemoval(Drops.location(p), s, "the drop of partition "
                 + p.getValues() + " of " + Drops.name(e.getTable()) + " located at");
+            Call.get().planPartitionDrop(e.getTable(), p);
           }
         }
       }
@@ -62,6 +63,31 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
       throw Drops.metaException(ex);
     } catch (RuntimeException ex) {
       throw Drops.metaException(ex); // a bad setting: refuse rather than delete unprotected
+    }
+  }
+
+  /**
+   * Refuse a database drop that would delete a warehouse root, or the data of tables still
+   * in it: the metastore's CASCADE drops them without deleting their data, then deletes the
+   * database directory recursively, so nothing would be kept. Engines' clients (Spark, Hive)
+   * drop each table first, each drop kept, and reach here with an empty database.
+   */
+  private void dropDatabase(Database d, PreEventContext event)
+      throws Cmroot.RecycleException, MetaException {
+    Cmroot.Settings s = Drops.settings(getConf());
+    String loc = Cmroot.localPath(d.getLocationUri());
+    Cmroot.refuseRootRemoval(loc, s, "DROP DATABASE " + d.getName() + " located at");
+    if (!s.enabled || !Cmroot.protectedLocation(loc, s)) {
+      return;
+    }
+    List<String> tables = Drops.tables(event, d.getName());
+    if (!tables.isEmpty()) {
+      throw new MetaException("cmroot refuses DROP DATABASE " + d.getName() + " while it "
+          + "holds tables (" + String.join(", ", tables.subList(0, Math.min(5,
+          tables.size()))) + (tables.size() > 5 ? ", ..." : "") + "): a CASCADE drop in the "
+          + "metastore deletes their data with the database directory, unkept. Nothing was "
+          + "dropped. Drop the tables first (DROP TABLE keeps their files), or drop the "
+          + "database from Spark or Hive, whose clients do so.");
     }
   }
 

@@ -55,13 +55,19 @@ public class CmrootTransactionalListener extends MetaStoreEventListener {
       List<String> outside = call == null ? Collections.<String>emptyList()
           : call.plannedPartitionDirs(key);
       dirs.addAll(outside);
-      stage(s, t, null, Collections.<Map<String, String>>emptyList(), dirs, outside,
-          "table " + Drops.name(t), "DROP_TABLE", Drops.purge(e.getEnvironmentContext(), t));
+      stage(s, t, Collections.singletonList(key), Collections.<Map<String, String>>emptyList(),
+          dirs, outside, "table " + Drops.name(t), "DROP_TABLE",
+          Drops.purge(e.getEnvironmentContext(), t));
     } catch (IOException | RuntimeException ex) {
       throw Drops.metaException(ex);
     }
   }
 
+  /**
+   * The first partition of a call staging: every partition the call drops from the table (as
+   * its pre-events announced them) is staged now, in one request, so that a refusal fails
+   * the call before the metastore has processed any of them further.
+   */
   @Override
   public void onDropPartition(DropPartitionEvent e) throws MetaException {
     Table t = e.getTable();
@@ -69,25 +75,50 @@ public class CmrootTransactionalListener extends MetaStoreEventListener {
       return;
     }
     try {
-      Cmroot.Settings s = Drops.settings(getConf());
-      boolean purge = Drops.purge(e.getEnvironmentContext(), t);
-      String tableLoc = Drops.location(t);
+      Call call = Call.peek();
+      List<Partition> parts = call == null ? new ArrayList<Partition>()
+          : call.takePartitionDrops(t);
       Iterator<Partition> it = e.getPartitionIterator();
       while (it.hasNext()) {
-        Partition p = it.next();
-        String dir = Drops.location(p);
-        if (dir == null) {
-          continue;
+        Partition p = it.next(); // announced by no pre-event (a call of another kind)
+        String key = Drops.dropKey(t, p.getValues());
+        if (call == null || !call.staged(key) && !call.announced(key)) {
+          parts.add(p);
         }
-        Map<String, String> kv = Drops.spec(t, p);
-        List<String> outside = tableLoc != null && Cmroot.under(dir, tableLoc)
-            ? Collections.<String>emptyList() : Collections.singletonList(dir);
-        stage(s, t, p.getValues(), Collections.singletonList(kv),
-            Collections.singletonList(dir), outside,
-            "partition " + kv + " of " + Drops.name(t), "DROP_PARTITION", purge);
       }
+      stagePartitions(t, parts, Drops.purge(e.getEnvironmentContext(), t));
     } catch (IOException | RuntimeException ex) {
       throw Drops.metaException(ex);
+    }
+  }
+
+  private void stagePartitions(Table t, List<Partition> parts, boolean purge)
+      throws IOException {
+    Cmroot.Settings s = Drops.settings(getConf());
+    String tableLoc = Drops.location(t);
+    List<String> dirs = new ArrayList<>();
+    List<String> outside = new ArrayList<>();
+    List<Map<String, String>> specs = new ArrayList<>();
+    List<String> keys = new ArrayList<>();
+    for (Partition p : parts) {
+      String dir = Drops.location(p);
+      Cmroot.refuseRootRemoval(dir, s, "the drop of partition " + p.getValues() + " of "
+          + Drops.name(t) + " located at");
+      if (dir == null || !Cmroot.protectedLocation(dir, s)
+          || !Cmroot.holdsFiles(new File(dir).toPath())) {
+        continue; // nothing to keep: its drop is recorded without files
+      }
+      dirs.add(dir);
+      specs.add(Drops.spec(t, p));
+      keys.add(Drops.dropKey(t, p.getValues()));
+      if (tableLoc == null || !Cmroot.under(dir, tableLoc)) {
+        outside.add(dir);
+      }
+    }
+    if (!dirs.isEmpty()) {
+      String what = (specs.size() == 1 ? "partition " + specs.get(0) : "partitions " + specs)
+          + " of " + Drops.name(t);
+      stage(s, t, keys, specs, dirs, outside, what, "DROP_PARTITION", purge);
     }
   }
 
@@ -96,7 +127,7 @@ public class CmrootTransactionalListener extends MetaStoreEventListener {
    * delete, which it logs as an error when they are gone) as one part of the call's (or the
    * statement's) recycle. `outside` are those of `dirs` outside the table's directory.
    */
-  private void stage(Cmroot.Settings s, Table t, List<String> values,
+  private void stage(Cmroot.Settings s, Table t, List<String> keys,
       List<Map<String, String>> parts, List<String> dirs, List<String> outside, String what,
       String op, boolean purge) throws IOException {
     List<String> paths = new ArrayList<>();
@@ -118,14 +149,15 @@ public class CmrootTransactionalListener extends MetaStoreEventListener {
     }
     String tableLoc = Drops.location(t);
     String location = Cmroot.protectedLocation(tableLoc, s) ? tableLoc : null;
-    String key = Drops.dropKey(t, values);
     Statement st = Statement.Registry.current();
     if (st != null) {
       if (!st.prepare(paths, op, t.getDbName(), t.getTableName(), purge, parts, location,
           what)) {
         return; // failed open: the metastore deletes as usual
       }
-      st.markStaged(key);
+      for (String key : keys) {
+        st.markStaged(key);
+      }
     } else {
       Call call = Call.get();
       CmrootTransaction tx = call.tx(s, op, t.getDbName(), t.getTableName(), purge, location,
@@ -133,7 +165,9 @@ public class CmrootTransactionalListener extends MetaStoreEventListener {
       if (!tx.prepare(paths, parts, what)) {
         return;
       }
-      call.markStaged(key);
+      for (String key : keys) {
+        call.markStaged(key);
+      }
     }
     CmrootFaults.afterPrepare(getConf(), "the drop of " + what);
   }

@@ -81,9 +81,7 @@ public final class Drops {
    */
   static List<Partition> partitions(PreEventContext event, Table t) throws MetaException {
     try {
-      // getHandler()'s declared type differs between Hive 2 and 3: called by name.
-      Object handler = event.getClass().getMethod("getHandler").invoke(event);
-      Object ms = handler.getClass().getMethod("getMS").invoke(handler);
+      Object ms = store(event);
       Object got;
       try {
         Method m = ms.getClass().getMethod("getPartitions", String.class, String.class,
@@ -108,6 +106,39 @@ public final class Drops {
       me.initCause(cause);
       throw me;
     }
+  }
+
+  /** The names of the database's tables, read like {@link #partitions}. */
+  static List<String> tables(PreEventContext event, String db) throws MetaException {
+    try {
+      Object ms = store(event);
+      Object got;
+      try {
+        got = ms.getClass().getMethod("getAllTables", String.class).invoke(ms, db);
+      } catch (NoSuchMethodException e) {
+        got = ms.getClass().getMethod("getAllTables", String.class, String.class)
+            .invoke(ms, "hive", db);
+      }
+      List<String> out = new ArrayList<>();
+      for (Object o : (List<?>) got) {
+        out.add(String.valueOf(o));
+      }
+      return out;
+    } catch (ReflectiveOperationException | RuntimeException e) {
+      Throwable cause = e instanceof java.lang.reflect.InvocationTargetException
+          ? e.getCause() : e;
+      MetaException me = new MetaException("cmroot cannot list the tables of database " + db
+          + " before its drop (" + cause + "): nothing was dropped");
+      me.initCause(cause);
+      throw me;
+    }
+  }
+
+  /** The metastore's store (RawStore) of the call, in its transaction. */
+  private static Object store(PreEventContext event) throws ReflectiveOperationException {
+    // getHandler()'s declared type differs between Hive 2 and 3: called by name.
+    Object handler = event.getClass().getMethod("getHandler").invoke(event);
+    return handler.getClass().getMethod("getMS").invoke(handler);
   }
 
   /** `ex` as the metastore's error: the call fails with cmroot's message. */
