@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -127,17 +127,20 @@ L = TypeVar("L", bound=Lake)
 
 @contextlib.contextmanager
 def hooked_lake(
-    base: Path, cls: type[L], daemon_env: dict[str, str] | None = None
+    base: Path, cls: type[L], daemon_env: dict[str, str] | None = None,
+    extra: Callable[[Daemon], Mapping[str, str]] | None = None,
 ) -> Iterator[L]:
-    """A daemon over <base>/warehouse and a local[2] session with the cmroot hook."""
+    """A daemon over <base>/warehouse and a local[2] session with the cmroot hook; `extra`
+    gives more Spark conf once the daemon runs (a remote metastore's, say)."""
     from cmroot import spark as cmspark
 
     daemon = Daemon(base, env=daemon_env).start()
     jar = cmspark.build_jar()
     fresh_jvm_if_needed(jar)
-    spark = cmspark.configure(
-        spark_builder(base, daemon.warehouse), url=daemon.url, jar=jar
-    ).getOrCreate()
+    builder = spark_builder(base, daemon.warehouse)
+    for k, v in (extra(daemon) if extra else {}).items():
+        builder = builder.config(k, v)
+    spark = cmspark.configure(builder, url=daemon.url, jar=jar).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     try:
         yield cls(base, daemon, spark)
