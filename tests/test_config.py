@@ -452,3 +452,10 @@ def test_config_errors_are_not_http_errors(roots: dict[str, str]) -> None:
     with pytest.raises(ConfigError) as ei:
         config.load(None, env={**roots, "CMROOT_STORE_RETAIN": "x"})
     assert ei.value.status == 500
+
+
+def test_the_jvm_cache_variable_is_not_a_config_override(roots: dict[str, str]) -> None:
+    """$CMROOT_SPARK_CACHE (where the JVM jars are cached, documented) is no config key:
+    every verb ran into "unknown environment override" with it set."""
+    c = config.load(None, env={**roots, "CMROOT_SPARK_CACHE": "/tmp/cmroot-jars"})
+    assert c.store.warehouse_roots

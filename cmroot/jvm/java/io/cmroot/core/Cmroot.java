@@ -684,11 +684,11 @@ public final class Cmroot {
     if (s.failOpen) {
       FAIL_OPEN_EVENTS.incrementAndGet();
       LOG.warn("{}; the change stands but is missing from cmroot's event log "
-          + "(spark.cmroot.failOpen=true; fail-open events so far: {}): replicas of {} need a "
+          + "(failOpen=true; fail-open events so far: {}): replicas of {} need a "
           + "fresh bootstrap", msg, FAIL_OPEN_EVENTS.get(), table);
       return false;
     }
-    LOG.error("{}; the change was applied but not recorded (spark.cmroot.failOpen=false)", msg);
+    LOG.error("{}; the change was applied but not recorded (failOpen=false)", msg);
     throw new EventException(msg + ". The change WAS applied but is not in cmroot's event log, "
         + "so replication of " + table + " needs a fresh bootstrap (`cmroot repl dump` without "
         + "--from).", a.cause);

@@ -198,13 +198,13 @@ public final class CmrootTransaction {
     }
     if (s.failOpen) {
       Cmroot.FAIL_OPEN_DELETES.incrementAndGet();
-      Cmroot.LOG.warn("{}; deleting WITHOUT a copy in cmroot because spark.cmroot.failOpen=true "
+      Cmroot.LOG.warn("{}; deleting WITHOUT a copy in cmroot because failOpen=true "
           + "(fail-open deletions so far: {})", msg, Cmroot.FAIL_OPEN_DELETES.get());
       return false;
     }
-    Cmroot.LOG.error("{}; nothing deleted: the statement fails (spark.cmroot.failOpen=false)",
+    Cmroot.LOG.error("{}; nothing deleted: the statement fails (failOpen=false)",
         msg);
-    throw new Cmroot.RecycleException(msg + ". Nothing was deleted (spark.cmroot.failOpen="
+    throw new Cmroot.RecycleException(msg + ". Nothing was deleted (failOpen="
         + "false). Start the daemon or fix the request, then run the statement again.", a.cause);
   }
 
