@@ -167,3 +167,22 @@ def test_fail_open_drops_without_the_daemon(tmp_path: Path) -> None:
     finally:
         h.metastore.stop()
         h.daemon.stop()
+
+
+def test_a_refused_call_leaves_nothing_for_the_next_call_on_its_thread(hms: Hms) -> None:
+    """A drop of p=1 and p=2 refused before anything moved (p=2 is located at the warehouse
+    root), then, on the same connection (the same metastore thread), a drop of p=3: only
+    p=3's files are taken; p=1, still in the catalog, keeps every file."""
+    with hms.client() as c:
+        top = partitioned(c, hms, "stale", "t", ["1", "3"])
+        c.add_partition("stale", "t", ["2"], location=hms.warehouse)
+        kept = files_of(top / "p=1")
+        with pytest.raises(MetaException, match="warehouse root"):
+            c.drop_partitions("stale", "t", ["p=1", "p=2"])
+        since = hms.current()
+        c.drop_partitions("stale", "t", ["p=3"])
+        assert c.list_partition_names("stale", "t") == ["p=1", "p=2"]
+    (event,) = hms.events(since)
+    assert event["partitions"] == [{"p": "3"}]
+    assert [f["path"] for f in event["files"]] == [str(top / "p=3" / "data.txt")]
+    assert files_of(top / "p=1") == kept

@@ -317,7 +317,9 @@ public class CmrootEventListener extends MetaStoreEventListener {
    */
   private static boolean settle(String key, boolean success, String what) throws MetaException {
     Call call = Call.peek();
-    if (call != null && call.staged(key)) {
+    if (call != null) {
+      // Settled whether or not this drop staged anything: the call is over, and nothing it
+      // announced may be taken for a later call's.
       try {
         call.settle(success, "the metastore could not complete " + what);
       } catch (Cmroot.RecycleException ex) {
@@ -326,7 +328,9 @@ public class CmrootEventListener extends MetaStoreEventListener {
         me.initCause(ex);
         throw me;
       }
-      return true;
+      if (call.staged(key)) {
+        return true;
+      }
     }
     Statement st = Statement.Registry.current();
     if (st != null && st.staged(key)) {

@@ -7,9 +7,11 @@ import java.io.File;
 import java.io.IOException;
 import java.util.ArrayList;
 import java.util.Collections;
+import java.util.HashSet;
 import java.util.Iterator;
 import java.util.List;
 import java.util.Map;
+import java.util.Set;
 import org.apache.hadoop.conf.Configuration;
 import org.apache.hadoop.hive.metastore.MetaStoreEventListener;
 import org.apache.hadoop.hive.metastore.api.MetaException;
@@ -76,13 +78,23 @@ public class CmrootTransactionalListener extends MetaStoreEventListener {
     }
     try {
       Call call = Call.peek();
-      List<Partition> parts = call == null ? new ArrayList<Partition>()
-          : call.takePartitionDrops(t);
+      List<Partition> parts = new ArrayList<>();
+      Set<String> here = new HashSet<>();
       Iterator<Partition> it = e.getPartitionIterator();
       while (it.hasNext()) {
-        Partition p = it.next(); // announced by no pre-event (a call of another kind)
+        Partition p = it.next();
         String key = Drops.dropKey(t, p.getValues());
+        here.add(key);
         if (call == null || !call.staged(key) && !call.announced(key)) {
+          parts.add(p);
+        }
+      }
+      for (Partition p : call == null ? new ArrayList<Partition>()
+          : call.takePartitionDrops(t)) {
+        // Announced by this call's pre-events: staged only once the transaction dropped it
+        // (a partition still in the catalog is live data, whatever was announced).
+        String key = Drops.dropKey(t, p.getValues());
+        if (!here.contains(key) && Drops.dropped(e, t, p)) {
           parts.add(p);
         }
       }

@@ -10,6 +10,7 @@ import org.apache.hadoop.conf.Configuration;
 import org.apache.hadoop.hive.metastore.api.EnvironmentContext;
 import org.apache.hadoop.hive.metastore.api.FieldSchema;
 import org.apache.hadoop.hive.metastore.api.MetaException;
+import org.apache.hadoop.hive.metastore.api.NoSuchObjectException;
 import org.apache.hadoop.hive.metastore.api.Partition;
 import org.apache.hadoop.hive.metastore.api.Table;
 import org.apache.hadoop.hive.metastore.events.PreEventContext;
@@ -134,8 +135,30 @@ public final class Drops {
     }
   }
 
+  /**
+   * Is the partition gone from the catalog in the call's transaction (the metastore dropped
+   * it)? Read like {@link #partitions}; a partition that cannot be looked up counts as live.
+   */
+  static boolean dropped(Object event, Table t, Partition p) {
+    try {
+      Object ms = store(event);
+      try {
+        ms.getClass().getMethod("getPartition", String.class, String.class, List.class)
+            .invoke(ms, t.getDbName(), t.getTableName(), p.getValues());
+      } catch (NoSuchMethodException e) {
+        ms.getClass().getMethod("getPartition", String.class, String.class, String.class,
+            List.class).invoke(ms, "hive", t.getDbName(), t.getTableName(), p.getValues());
+      }
+      return false;
+    } catch (java.lang.reflect.InvocationTargetException e) {
+      return e.getCause() instanceof NoSuchObjectException;
+    } catch (ReflectiveOperationException | RuntimeException e) {
+      return false;
+    }
+  }
+
   /** The metastore's store (RawStore) of the call, in its transaction. */
-  private static Object store(PreEventContext event) throws ReflectiveOperationException {
+  private static Object store(Object event) throws ReflectiveOperationException {
     // getHandler()'s declared type differs between Hive 2 and 3: called by name.
     Object handler = event.getClass().getMethod("getHandler").invoke(event);
     return handler.getClass().getMethod("getMS").invoke(handler);
