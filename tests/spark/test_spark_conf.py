@@ -56,3 +56,18 @@ def test_configure_appends_to_existing_extensions() -> None:
     assert b._options["spark.sql.extensions"] == (
         "io.delta.sql.DeltaSparkSessionExtension," + cmspark.CLASSES["extensions"])
     assert b._options["spark.cmroot.failOpen"] == "true"
+
+
+def test_cli_declares_the_metastore_plugin() -> None:
+    """`--metastore-plugin`: the application's remote metastore keeps drops; the embedded
+    metastore's listeners (the same plugin) stay in the conf for applications without one."""
+    out = subprocess.run(
+        [sys.executable, "-m", "cmroot.cli", "spark-conf", "--url", "http://10.0.0.5:9750",
+         "--metastore-plugin", "--format", "defaults"],
+        capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+    ).stdout
+    conf = dict(line.split(" ", 1) for line in out.splitlines())
+    assert conf["spark.cmroot.metastorePlugin"] == "true"
+    assert conf["spark.hadoop.hive.metastore.transactional.event.listeners"] == (
+        "io.cmroot.metastore.CmrootTransactionalListener")
+    assert "spark.cmroot.metastorePlugin" not in cmspark.spark_conf("http://10.0.0.5:9750")
