@@ -32,6 +32,17 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
 
   public CmrootPreEventListener(Configuration conf) {
     super(conf);
+    Cmroot.Settings s = Drops.settings(conf);
+    if (s.enabled && s.roots.isEmpty()) {
+      // Every location is then outside the roots: drops would go ahead unkept, silently.
+      Cmroot.LOG.error("cmroot: no warehouse root on the local filesystem (cmroot.warehouseRoots"
+          + " or hive.metastore.warehouse.dir = {}): the plugin keeps nothing. This version "
+          + "protects file: warehouses; set cmroot.warehouseRoots to the local directories",
+          conf.get("hive.metastore.warehouse.dir"));
+    } else if (s.enabled) {
+      Cmroot.LOG.info("cmroot: the metastore plugin keeps the drops under {} at {}", s.roots,
+          s.url);
+    }
   }
 
   @Override
