@@ -9,10 +9,9 @@ store; tests that inject faults monkeypatch os-level calls themselves."""
 from __future__ import annotations
 
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import pytest
@@ -23,9 +22,12 @@ for p in (TESTS.parent, TESTS):  # run from a checkout, installed or not, any im
         sys.path.insert(0, str(p))
 
 from cmroot_testlib import Clock, Env  # noqa: E402
+from remote_backends import RemoteWarehouse, memory_warehouse, s3_warehouse  # noqa: E402
 
-from cmroot import config as cfg  # noqa: E402
 from cmroot.store import Store  # noqa: E402
+
+if TYPE_CHECKING:
+    from s3server import S3Server  # moto is imported only when an S3 test runs
 
 
 @pytest.fixture
@@ -69,16 +71,51 @@ def _no_fault_left_armed() -> Iterator[None]:
 def remote(tmp_path: Path) -> Iterator[tuple[Store, Any, str]]:
     """A store whose one warehouse root is a bucket on fsspec's in-memory filesystem:
     (store, fs, bucket), the bucket removed afterwards."""
-    bucket = f"wh-{uuid.uuid4().hex[:8]}"
-    fs = fsspec.filesystem("memory")
-    config = cfg.load(
-        None,
-        {
-            "CMROOT_STORE_ROOT": str(tmp_path / "store"),
-            "CMROOT_STORE_WAREHOUSE_ROOTS": f"memory://{bucket}",
-        },
-    )
-    with Store.open(config) as store:
-        yield store, fs, bucket
-    if fs.exists(f"/{bucket}"):
-        fs.rm(f"/{bucket}", recursive=True)
+    with memory_warehouse(tmp_path / "store") as wh:
+        yield wh.store, wh.fs, wh.bucket
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """moto's S3 server on loopback, for the whole session; while it runs, the process's
+    AWS environment and fsspec's `s3` config point at it (dummy credentials, no AWS file
+    read), both restored afterwards."""
+    from s3server import S3Server
+
+    server = S3Server().start()
+    saved = fsspec.config.conf.get("s3")
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for name, value in server.env().items():
+                mp.setenv(name, value)
+            fsspec.config.conf["s3"] = server.fsspec_conf()
+            yield server
+    finally:
+        if saved is None:
+            fsspec.config.conf.pop("s3", None)
+        else:
+            fsspec.config.conf["s3"] = saved
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_client(s3_server: S3Server) -> Any:
+    """The tests' own s3fs client of the S3 server (not the store's), without listing cache."""
+    return s3_server.client()
+
+
+@pytest.fixture
+def memory_wh(tmp_path: Path) -> Iterator[RemoteWarehouse]:
+    """A store on a fresh bucket of fsspec's in-memory filesystem."""
+    with memory_warehouse(tmp_path / "store") as wh:
+        yield wh
+
+
+@pytest.fixture
+def s3_wh(tmp_path: Path, s3_client: Any) -> Iterator[RemoteWarehouse]:
+    """A store on a fresh bucket of the loopback S3 server."""
+    with s3_warehouse(tmp_path / "store", s3_client) as wh:
+        yield wh

@@ -36,7 +36,7 @@ from cmroot.store import confined
 from cmroot.store.layout import Layout
 from cmroot.store.source import RootUnavailable
 from cmroot.store.source.local import Ident, LocalSource, ident_of, ident_str
-from cmroot.store.source.remote import remote_ident
+from cmroot.store.source.remote import fresh_info, remote_ident
 from cmroot.store.warehouse import Located, PathUnsettled, Warehouse
 from cmroot.vocab import Status
 
@@ -232,7 +232,7 @@ class Reader:
         staging area while hashed: what is served is that verified copy."""
         fs = loc.root.fs
         try:
-            info = fs.info(loc.path)
+            info = fresh_info(fs, loc.path)
         except (FileNotFoundError, NotADirectoryError):
             return None
         if info.get("type") != "file":

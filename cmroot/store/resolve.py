@@ -19,7 +19,7 @@ from cmroot.index import Index
 from cmroot.store import read
 from cmroot.store.layout import Layout
 from cmroot.store.source.local import ident_of, ident_str
-from cmroot.store.source.remote import remote_ident
+from cmroot.store.source.remote import fresh_info, remote_ident
 from cmroot.store.warehouse import Located, Warehouse
 
 MAX_PAIRS = 100_000
@@ -160,7 +160,7 @@ def _stat(loc: Located) -> _Original | None:
         ident = ident_of(st)
         return _Original(loc, st.st_size, ident_str(ident), read.settled(ident))
     try:
-        info = loc.root.fs.info(loc.path)
+        info = fresh_info(loc.root.fs, loc.path)
     except (FileNotFoundError, NotADirectoryError):
         return None
     if info.get("type") != "file":

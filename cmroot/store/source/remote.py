@@ -31,6 +31,15 @@ def remote_ident(info: dict[str, Any]) -> str | None:
     return f"size-mtime:{int(info.get('size') or 0)}:{int(t * 1e9)}"
 
 
+def fresh_info(fs: Any, path: str) -> dict[str, Any]:
+    """`path`'s info as the filesystem has it now. A listing cache (s3fs keeps one per
+    client) answers with what a listing saw: an object rewritten since would pass for
+    unchanged, and be deleted or served as the old one."""
+    fs.invalidate_cache(path)
+    info: dict[str, Any] = fs.info(path)
+    return info
+
+
 def identity(info: dict[str, Any]) -> str:
     """The identity recorded for a copied source: remote_ident, or its size alone."""
     return remote_ident(info) or f"size:{info.get('size')}"
@@ -81,15 +90,22 @@ class RemoteSession(Session):
 
     def copy_out(self, rel: str, staged: str) -> tuple[str, str]:
         path = self.source.path(rel)
-        ident = identity(self.fs.info(path))
+        ident = identity(fresh_info(self.fs, path))
         h = xxhash.xxh3_128()
-        with self.fs.open(path, "rb") as fin, open(staged, "xb") as out:
-            while chunk := fin.read(cks.CHUNK):
-                h.update(chunk)
-                out.write(chunk)
-            out.flush()
-            os.fsync(out.fileno())
-        if identity(self.fs.info(path)) != ident:
+        try:
+            with self.fs.open(path, "rb") as fin, open(staged, "xb") as out:
+                while chunk := fin.read(cks.CHUNK):
+                    h.update(chunk)
+                    out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+        except OSError as e:
+            # An object store refuses the rest of a read once the object changed (S3: 412
+            # on the ETag it began with): that is a change, not a failure.
+            if self._changed(path, ident):
+                raise ChecksumMismatch("source changed while copied", f"{path}: try again") from e
+            raise
+        if self._changed(path, ident):
             raise ChecksumMismatch("source changed while copied", f"{path}: try again")
         checksum = h.hexdigest()
         if cks.of_local_file(staged) != checksum:
@@ -98,6 +114,12 @@ class RemoteSession(Session):
             )
         return checksum, ident
 
+    def _changed(self, path: str, ident: str) -> bool:
+        try:
+            return identity(fresh_info(self.fs, path)) != ident
+        except FileNotFoundError:
+            return True
+
     def put_back(self, rel: str, staged: str) -> bool:
         # Never called: a remote file is only ever copied, and its source stays put.
         raise AssertionError("remote files are staged by copy")
@@ -105,7 +127,7 @@ class RemoteSession(Session):
     def remove_if_unchanged(self, rel: str, ident: str) -> bool:
         path = self.source.path(rel)
         try:
-            if identity(self.fs.info(path)) != ident:
+            if identity(fresh_info(self.fs, path)) != ident:
                 return False
             self.fs.rm(path)
         except FileNotFoundError:
