@@ -36,6 +36,9 @@ final class Call {
   // come before any is staged): staged together at the first one's transactional event.
   private final Map<String, Map<String, Partition>> dropping = new LinkedHashMap<>();
   private final Set<String> taken = new HashSet<>();
+  // The drops whose post-event came: a drop reported twice is a later call's, which this
+  // one must not answer for (a call without an end function and no pre-event seen).
+  private final Set<String> reported = new HashSet<>();
   private boolean settled;
 
   private Call() {}
@@ -91,6 +94,22 @@ final class Call {
 
   boolean staged(String dropKey) {
     return staged.contains(dropKey);
+  }
+
+  /**
+   * The post-event of a drop: false when this call already had that drop's post-event, so
+   * the drop is a later call's (the thread's call is then forgotten).
+   */
+  static boolean report(String dropKey) {
+    Call c = CURRENT.get();
+    if (c == null) {
+      return false;
+    }
+    if (!c.reported.add(dropKey)) {
+      CURRENT.remove();
+      return false;
+    }
+    return true;
   }
 
   void planPartitionDirs(String dropKey, List<String> dirs) {

@@ -158,8 +158,8 @@ public class CmrootEventListener extends MetaStoreEventListener {
     if (!e.getStatus() || !Cmroot.protectedLocation(loc, s) || before == null || after == null) {
       return;
     }
-    String was = partitionLocation(t, before);
-    String now = partitionLocation(t, after);
+    String was = Drops.location(t, before);
+    String now = Drops.location(t, after);
     Statement st = Statement.Registry.current();
     String key = Drops.dropKey(t, after.getValues());
     if (!before.getValues().equals(after.getValues())) {
@@ -211,34 +211,6 @@ public class CmrootEventListener extends MetaStoreEventListener {
     return out;
   }
 
-  /**
-   * A partition's directory. Its metastore location is spelt as a URI or as a Hadoop path
-   * (see Cmroot.existingLocalPath): the spelling that reads as the partition's default
-   * place (k=v/... below the table, escaped as Hive does) wins, since a partition's own
-   * value decoded may name another partition's directory.
-   */
-  private static String partitionLocation(Table t, Partition p) {
-    if (p.getSd() == null || p.getSd().getLocation() == null) {
-      return null;
-    }
-    String loc = p.getSd().getLocation();
-    String tableDir = location(t);
-    if (tableDir != null && p.getValues() != null) {
-      try {
-        String dflt = Cmroot.localPath(tableDir + "/"
-            + org.apache.hadoop.hive.metastore.Warehouse.makePartName(t.getPartitionKeys(),
-                p.getValues()));
-        String raw = loc.startsWith("file:") ? Cmroot.localPath(loc.substring(5)) : null;
-        if (dflt != null && (dflt.equals(Cmroot.localPath(loc)) || dflt.equals(raw))) {
-          return dflt;
-        }
-      } catch (MetaException | RuntimeException e) {
-        // no default place to compare with: read the location alone
-      }
-    }
-    return Cmroot.existingLocalPath(loc);
-  }
-
   @Override
   public void onAddPartition(AddPartitionEvent e) throws MetaException {
     Table t = e.getTable();
@@ -254,7 +226,7 @@ public class CmrootEventListener extends MetaStoreEventListener {
     while (it.hasNext()) {
       Partition p = it.next();
       parts.add(Drops.spec(t, p));
-      String dir = partitionLocation(t, p);
+      String dir = Drops.location(t, p);
       dirs.add(String.valueOf(dir));
       if (Cmroot.protectedLocation(dir, s)) {
         files.addAll(Cmroot.dataFiles(new File(dir), true, null));
@@ -316,7 +288,7 @@ public class CmrootEventListener extends MetaStoreEventListener {
    * data was staged (its event is then the recycle's, not a metadata-only one).
    */
   private static boolean settle(String key, boolean success, String what) throws MetaException {
-    Call call = Call.peek();
+    Call call = Call.report(key) ? Call.peek() : null;
     if (call != null) {
       // Settled whether or not this drop staged anything: the call is over, and nothing it
       // announced may be taken for a later call's.

@@ -1,6 +1,7 @@
 package io.cmroot.metastore;
 
 import io.cmroot.core.Cmroot;
+import java.io.File;
 import java.util.ArrayList;
 import java.util.Iterator;
 import java.util.List;
@@ -48,25 +49,28 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
   @Override
   public void onEvent(PreEventContext event) throws MetaException {
     try {
+      if (event instanceof PreDropDatabaseEvent || event instanceof PreDropTableEvent
+          || event instanceof PreDropPartitionEvent) {
+        Call.begin(); // every drop, with data or not: what an earlier call left is over
+      }
       if (event instanceof PreDropDatabaseEvent) {
         dropDatabase(((PreDropDatabaseEvent) event).getDatabase(), event);
       } else if (event instanceof PreDropTableEvent) {
         PreDropTableEvent e = (PreDropTableEvent) event;
         if (e.getDeleteData() && Drops.managed(e.getTable())) {
-          Call.begin();
           dropTable(e.getTable(), event);
         }
       } else if (event instanceof PreDropPartitionEvent) {
         PreDropPartitionEvent e = (PreDropPartitionEvent) event;
-        if (e.getDeleteData() && Drops.managed(e.getTable())) {
-          Call.begin();
+        Table t = e.getTable();
+        if (e.getDeleteData() && Drops.managed(t)) {
           Cmroot.Settings s = Drops.settings(getConf());
           Iterator<Partition> it = e.getPartitionIterator();
           while (it.hasNext()) {
             Partition p = it.next();
-            Cmroot.refuseRootRemoval(Drops.location(p), s, "the drop of partition "
-                + p.getValues() + " of " + Drops.name(e.getTable()) + " located at");
-            Call.get().planPartitionDrop(e.getTable(), p);
+            Cmroot.refuseRootRemoval(Drops.location(t, p), s, "the drop of partition "
+                + p.getValues() + " of " + Drops.name(t) + " located at");
+            Call.get().planPartitionDrop(t, p);
           }
         }
       }
@@ -78,17 +82,19 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
   }
 
   /**
-   * Refuse a database drop that would delete a warehouse root, or the data of tables still
-   * in it: the metastore's CASCADE drops them without deleting their data, then deletes the
-   * database directory recursively, so nothing would be kept. Engines' clients (Spark, Hive)
-   * drop each table first, each drop kept, and reach here with an empty database.
+   * Refuse a database drop that would delete a warehouse root, the data of tables still in
+   * it, or files left in its directory: the metastore's CASCADE drops the tables without
+   * their data (wherever they are located), then deletes the database directory
+   * recursively, whatever it holds (another database's table placed there, say), so nothing
+   * would be kept. Engines' clients (Spark, Hive) drop each table first, each drop kept, and
+   * reach here with an empty database.
    */
   private void dropDatabase(Database d, PreEventContext event)
       throws Cmroot.RecycleException, MetaException {
     Cmroot.Settings s = Drops.settings(getConf());
     String loc = Cmroot.localPath(d.getLocationUri());
     Cmroot.refuseRootRemoval(loc, s, "DROP DATABASE " + d.getName() + " located at");
-    if (!s.enabled || !Cmroot.protectedLocation(loc, s)) {
+    if (!s.enabled) {
       return;
     }
     List<String> tables = Drops.tables(event, d.getName());
@@ -99,6 +105,17 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
           + "metastore deletes their data with the database directory, unkept. Nothing was "
           + "dropped. Drop the tables first (DROP TABLE keeps their files), or drop the "
           + "database from Spark or Hive, whose clients do so.");
+    }
+    if (Cmroot.protectedLocation(loc, s)) {
+      List<String> left = Cmroot.dataFiles(new File(loc), true, null);
+      if (!left.isEmpty()) {
+        throw new MetaException("cmroot refuses DROP DATABASE " + d.getName() + ": its "
+            + "directory " + loc + " still holds data files (" + left.get(0)
+            + (left.size() > 1 ? " and " + (left.size() - 1) + " more" : "") + "), which the "
+            + "metastore would delete with it, unkept: another database's table located "
+            + "there, or files no table owns. Nothing was dropped. Move them out, or drop "
+            + "their table, first.");
+      }
     }
   }
 
@@ -112,7 +129,7 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
     }
     List<String> outside = new ArrayList<>();
     for (Partition p : Drops.partitions(event, t)) {
-      String dir = Drops.location(p);
+      String dir = Drops.location(t, p);
       if (dir != null && (loc == null || !Cmroot.under(dir, loc))) {
         Cmroot.refuseRootRemoval(dir, s, "DROP TABLE " + Drops.name(t) + ", whose partition "
             + p.getValues() + " is located at");

@@ -113,7 +113,7 @@ public class CmrootTransactionalListener extends MetaStoreEventListener {
     List<Map<String, String>> specs = new ArrayList<>();
     List<String> keys = new ArrayList<>();
     for (Partition p : parts) {
-      String dir = Drops.location(p);
+      String dir = Drops.location(t, p);
       Cmroot.refuseRootRemoval(dir, s, "the drop of partition " + p.getValues() + " of "
           + Drops.name(t) + " located at");
       if (dir == null || !Cmroot.protectedLocation(dir, s)

@@ -1,6 +1,7 @@
 package io.cmroot.metastore;
 
 import io.cmroot.core.Cmroot;
+import io.cmroot.core.Json;
 import java.lang.reflect.Method;
 import java.util.ArrayList;
 import java.util.LinkedHashMap;
@@ -29,7 +30,9 @@ public final class Drops {
   }
 
   public static String dropKey(String db, String table, List<String> values) {
-    return Cmroot.tableKey(db, table) + (values == null ? "" : "/" + String.join("/", values));
+    // The values as JSON: joined with a separator, ['a/b', 'c'] and ['a', 'b/c'] would be
+    // one key, and one of two dropped partitions taken for the other.
+    return Cmroot.tableKey(db, table) + (values == null ? "" : Json.write(values));
   }
 
   static String name(Table t) {
@@ -57,9 +60,34 @@ public final class Drops {
     return t.getSd() == null ? null : Cmroot.localPath(t.getSd().getLocation());
   }
 
-  static String location(Partition p) {
-    return p.getSd() == null ? null : Cmroot.localPath(p.getSd().getLocation());
+  /**
+   * A partition's directory. Its metastore location is spelt as a URI or as a Hadoop path
+   * (see Cmroot.existingLocalPath): the spelling that reads as the partition's default
+   * place (k=v/... below the table, escaped as Hive does) wins, since a partition's own
+   * value decoded may name another partition's directory.
+   */
+  static String location(Table t, Partition p) {
+    if (p.getSd() == null || p.getSd().getLocation() == null) {
+      return null;
+    }
+    String loc = p.getSd().getLocation();
+    String tableDir = location(t);
+    if (tableDir != null && p.getValues() != null) {
+      try {
+        String dflt = Cmroot.localPath(tableDir + "/"
+            + org.apache.hadoop.hive.metastore.Warehouse.makePartName(t.getPartitionKeys(),
+                p.getValues()));
+        String raw = loc.startsWith("file:") ? Cmroot.localPath(loc.substring(5)) : null;
+        if (dflt != null && (dflt.equals(Cmroot.localPath(loc)) || dflt.equals(raw))) {
+          return dflt;
+        }
+      } catch (MetaException | RuntimeException e) {
+        // no default place to compare with: read the location alone
+      }
+    }
+    return Cmroot.existingLocalPath(loc);
   }
+
 
   /**
    * Whether the drop purges, as the metastore decides it for its own delete: the call's
