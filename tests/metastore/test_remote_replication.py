@@ -56,8 +56,11 @@ def destination(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Destinatio
 
 
 def test_spark_drops_through_the_remote_metastore_are_kept_once(source: Source) -> None:
-    """DROP TABLE and DROP PARTITION from Spark: the metastore deletes the data, its plugin
-    keeps it, one recycle each; Spark's own overwrite is kept by Spark's hook."""
+    """DROP TABLE from Spark: the metastore deletes the data, its plugin keeps it. DROP
+    PARTITION of two: Spark's hook stages both up front (the statement is one unit; Spark
+    drops them one metastore call each), each call records its metadata-only drop, the
+    statement's recycle follows with the files. Spark's overwrite is Spark's hook's. Every
+    file is kept exactly once."""
     source.sql("CREATE DATABASE IF NOT EXISTS sr")
     source.sql("CREATE TABLE sr.t (a INT, p INT) USING parquet PARTITIONED BY (p)")
     source.sql("INSERT INTO sr.t VALUES (1, 1), (2, 2), (3, 3)")
@@ -74,7 +77,9 @@ def test_spark_drops_through_the_remote_metastore_are_kept_once(source: Source) 
     kinds = [(e["eventType"], e["table"], [p for p in e["partitions"]]) for e in events]
     assert kinds == [
         ("DROP_PARTITION", "t", [{"p": "1"}]), ("DROP_PARTITION", "t", [{"p": "2"}]),
+        ("DROP_PARTITION", "t", [{"p": "1"}, {"p": "2"}]),
         ("INSERT_OVERWRITE", "h", []), ("DROP_TABLE", "t", [])], kinds
+    assert [len(e["files"]) > 0 for e in events[:3]] == [False, False, True]
     kept = [f["path"] for e in events if e["table"] == "t" for f in e["files"]]
     assert sorted(kept) == sorted(before)  # each file kept once, none missed
     assert source.rows("SELECT a FROM sr.h") == [[5]]

@@ -60,7 +60,8 @@ public final class Cmroot {
   /** The cmroot settings of the application or metastore (see {@link #conf}). */
   public static final class Settings {
     public final String url;
-    public final String token;
+    private final String token;
+    private final String tokenFile;
     public final boolean enabled;
     public final boolean failOpen;
     public final boolean debug;
@@ -68,15 +69,37 @@ public final class Cmroot {
     /** Seconds a prepared recycle is held for its statement between renewals. */
     public final long leaseSeconds;
 
-    public Settings(String url, String token, boolean enabled, boolean failOpen, boolean debug,
-        List<String> roots, long leaseSeconds) {
+    public Settings(String url, String token, String tokenFile, boolean enabled,
+        boolean failOpen, boolean debug, List<String> roots, long leaseSeconds) {
       this.url = url;
       this.token = token;
+      this.tokenFile = tokenFile;
       this.enabled = enabled;
       this.failOpen = failOpen;
       this.debug = debug;
       this.roots = roots;
       this.leaseSeconds = leaseSeconds;
+    }
+
+    /**
+     * The token: inline (cmroot.token), or the first line of cmroot.tokenFile, read at each
+     * request so that a rotated token takes effect without a restart; only requests need
+     * it, so a file being rotated never stops a query that deletes nothing. An unreadable
+     * file is an error naming it: the request is not sent (a recycle then fails closed).
+     */
+    public String token() throws IOException {
+      if (tokenFile == null) {
+        return token;
+      }
+      try {
+        byte[] raw = Files.readAllBytes(Paths.get(tokenFile));
+        String t = new String(raw, StandardCharsets.UTF_8).trim();
+        int nl = t.indexOf('\n');
+        return nl < 0 ? t : t.substring(0, nl).trim();
+      } catch (IOException | RuntimeException e) {
+        throw new IOException("cannot read the token file " + tokenFile + " (cmroot.tokenFile: "
+            + e + "); make it readable by this process, or set cmroot.token", e);
+      }
     }
   }
 
@@ -129,34 +152,13 @@ public final class Cmroot {
     String url = conf(hconf, "url", null);
     return new Settings(
         url == null ? "" : url.replaceAll("/+$", ""),
-        token(hconf),
+        conf(hconf, "token", null),
+        conf(hconf, "tokenFile", null),
         url != null && Boolean.parseBoolean(conf(hconf, "enabled", "true")),
         Boolean.parseBoolean(conf(hconf, "failOpen", "false")),
         Boolean.parseBoolean(conf(hconf, "debug", "false")),
         list,
         seconds(conf(hconf, "lease", "10m"), "cmroot.lease"));
-  }
-
-  /**
-   * The token: inline (cmroot.token), or the first line of cmroot.tokenFile, read at each
-   * use so that a rotated token takes effect without a restart. An unreadable file is an
-   * error naming it: running without the token would have every recycle refused.
-   */
-  private static String token(Configuration hconf) {
-    String file = conf(hconf, "tokenFile", null);
-    if (file == null) {
-      return conf(hconf, "token", null);
-    }
-    try {
-      byte[] raw = Files.readAllBytes(Paths.get(file));
-      String t = new String(raw, StandardCharsets.UTF_8).trim();
-      int nl = t.indexOf('\n');
-      return nl < 0 ? t : t.substring(0, nl).trim();
-    } catch (IOException | RuntimeException e) {
-      throw new IllegalArgumentException("cmroot: cannot read the token file " + file
-          + " (cmroot.tokenFile): " + e + ". Make it readable by this process, or set "
-          + "cmroot.token", e);
-    }
   }
 
   /** "90s", "10m", "1h" or plain seconds, as seconds (the daemon takes 1 s to 1 day). */
@@ -729,6 +731,12 @@ public final class Cmroot {
    */
   public static Answer post(String route, Map<String, Object> body, Settings s,
       int timeoutSeconds) {
+    String token;
+    try {
+      token = s.token();
+    } catch (IOException e) {
+      return new Answer(0, null, "cmroot " + e.getMessage(), e);
+    }
     HttpURLConnection c = null;
     try {
       byte[] out = Json.write(body).getBytes(StandardCharsets.UTF_8);
@@ -741,8 +749,8 @@ public final class Cmroot {
       c.setFixedLengthStreamingMode(out.length);
       c.setRequestProperty("Content-Type", "application/json");
       c.setRequestProperty("Accept", "application/json");
-      if (s.token != null) {
-        c.setRequestProperty("Authorization", "Bearer " + s.token);
+      if (token != null) {
+        c.setRequestProperty("Authorization", "Bearer " + token);
       }
       try (OutputStream o = c.getOutputStream()) {
         o.write(out);

@@ -12,8 +12,11 @@ import java.util.Map;
  * maps, lists, strings, numbers, booleans and null; objects read keep their key order.
  */
 public final class Json {
+  // Deeper than any answer of the daemon: a deeper text is refused, never a stack overflow.
+  private static final int MAX_DEPTH = 64;
   private final String text;
   private int at;
+  private int depth;
 
   private Json(String text) {
     this.text = text;
@@ -153,12 +156,20 @@ public final class Json {
     }
   }
 
+  private void enter() {
+    if (++depth > MAX_DEPTH) {
+      throw error("nested deeper than " + MAX_DEPTH);
+    }
+  }
+
   private Map<String, Object> obj() {
+    enter();
     Map<String, Object> out = new LinkedHashMap<>();
     at++;
     space();
     if (peek('}')) {
       at++;
+      depth--;
       return out;
     }
     while (true) {
@@ -175,17 +186,20 @@ public final class Json {
         at++;
       } else {
         expect('}');
+        depth--;
         return out;
       }
     }
   }
 
   private List<Object> array() {
+    enter();
     List<Object> out = new ArrayList<>();
     at++;
     space();
     if (peek(']')) {
       at++;
+      depth--;
       return out;
     }
     while (true) {
@@ -195,6 +209,7 @@ public final class Json {
         at++;
       } else {
         expect(']');
+        depth--;
         return out;
       }
     }
@@ -250,12 +265,20 @@ public final class Json {
     throw error("unterminated string");
   }
 
+  // JSON's number grammar exactly: no leading '+' or zero, digits around the point.
+  private static final java.util.regex.Pattern NUMBER = java.util.regex.Pattern.compile(
+      "-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?");
+
   private Object number() {
     int start = at;
     while (at < text.length() && "+-0123456789.eE".indexOf(text.charAt(at)) >= 0) {
       at++;
     }
     String n = text.substring(start, at);
+    if (!NUMBER.matcher(n).matches()) {
+      at = start;
+      throw error("not a value");
+    }
     try {
       if (n.indexOf('.') < 0 && n.indexOf('e') < 0 && n.indexOf('E') < 0) {
         return Long.parseLong(n);

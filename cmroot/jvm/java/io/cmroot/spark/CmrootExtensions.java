@@ -31,8 +31,8 @@ import scala.runtime.BoxedUnit;
  *       writes) is one statement, each write nested in it with its own context.
  *   <li>a check rule refusing DROP DATABASE of a database located at a warehouse root or at
  *       a directory containing one, before anything is dropped.
- *   <li>a check rule refusing drops a remote metastore would delete unkept
- *       ({@link RemoteMetastore}).
+ *   <li>a check rule refusing every statement when the application's metastore is remote
+ *       and does not run the cmroot plugin ({@link RemoteMetastore}).
  *   <li>the cmroot settings that decide whether and where files are kept
  *       ({@link Cmroot#FIXED_KEYS}) are the application's: registered as static SQL configs,
  *       so {@code spark.conf.set} refuses them, and a check rule refuses {@code SET} of any

@@ -56,10 +56,9 @@ public final class CmrootStatementCommand extends LogicalPlan implements LeafRun
     try {
       List<Row> rows;
       try {
-        if (inner instanceof AlterTableDropPartitionCommand
-            && !RemoteMetastore.pluginProtects(session)) {
-          // Staged here for the whole statement; with the metastore plugin, per metastore
-          // call in the metastore (the data is deleted there).
+        if (inner instanceof AlterTableDropPartitionCommand) {
+          // Staged here for the whole statement, with a remote metastore too: Spark drops
+          // partitions one metastore call each, and a refusal must leave them all.
           CmrootDropPartitions.stage(session, (AlterTableDropPartitionCommand) inner, st, s);
         } else if (inner instanceof TruncateTableCommand) {
           CmrootTruncate.stage(session, (TruncateTableCommand) inner, st, s);
