@@ -1,11 +1,36 @@
 """Re-use the daemon fixtures of tests/server (make_daemon, daemon); the Spark reviews'
-database."""
+database; for the replication reviews, a hooked source and a shared destination per module,
+gone when the module ends (one Spark session per process: each module's source replaces the
+last, and a destination kept to the end of the package would hold a JVM idle)."""
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.server.conftest import daemon, make_daemon  # noqa: F401
+from tests.repl.conftest import (
+    RETAIN_OVERRIDES,
+    SharedDestination,
+    Source,
+)
+from tests.spark.sparklib import hooked_lake
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Source]:
+    pytest.importorskip("pyspark")
+    env = {"CMROOT_STORE_RETAIN_OVERRIDES": RETAIN_OVERRIDES}
+    with hooked_lake(tmp_path_factory.mktemp("source"), Source, env) as src:
+        yield src
+
+
+@pytest.fixture(scope="module")
+def shared_destination(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedDestination]:
+    d = SharedDestination(tmp_path_factory.mktemp("shared") / "destination")
+    try:
+        yield d
+    finally:
+        d.close()
 
 
 @pytest.fixture(scope="module")

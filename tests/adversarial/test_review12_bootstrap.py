@@ -33,7 +33,7 @@ from cmroot import faults
 from cmroot.exceptions import ReplError
 from cmroot.repl import dumpdir, tabledef
 from tests.cmroot_testlib import on_point
-from tests.repl.conftest import Destination, Source, source  # noqa: F401
+from tests.repl.conftest import Destination, Source
 
 pytestmark = pytest.mark.timeout(900)
 dump_mod = importlib.import_module("cmroot.repl.dump")  # the package's `dump` is the function
@@ -517,7 +517,7 @@ def _incremental(src: Source, case: Case, out: Outcome) -> None:
 
 
 @pytest.fixture(scope="module")
-def world(source: Source, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:  # noqa: F811
+def world(source: Source, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
     outs = {c.name: Outcome(c) for c in CASES}
     for c in CASES:
         _bootstrap(source, c, outs[c.name])
@@ -746,7 +746,7 @@ def test_killed_load_of_the_mix_converges(world: dict[str, Outcome]) -> None:
 
 
 def test_a_table_renamed_in_every_round_is_refused_not_looped(
-    source: Source,  # noqa: F811
+    source: Source,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """t0 -> t1 in the first round's read, t1 -> t2 in the second's, ...: the dump ends, with
@@ -770,7 +770,7 @@ def test_a_table_renamed_in_every_round_is_refused_not_looped(
     assert n["i"] < 50
 
 
-def test_bootstrap_of_a_missing_table_says_so(source: Source) -> None:  # noqa: F811
+def test_bootstrap_of_a_missing_table_says_so(source: Source) -> None:
     """A table-level bootstrap of a table that does not exist (a typo) is refused as such,
     not as tables that "kept moving" through ten rounds of renames and drops."""
     source.sql("CREATE DATABASE IF NOT EXISTS rv12_missing")
@@ -779,7 +779,7 @@ def test_bootstrap_of_a_missing_table_says_so(source: Source) -> None:  # noqa: 
     assert "kept moving" not in str(e.value), str(e.value)
 
 
-def test_bootstrap_of_a_missing_database_is_a_repl_error(source: Source) -> None:  # noqa: F811
+def test_bootstrap_of_a_missing_database_is_a_repl_error(source: Source) -> None:
     with pytest.raises(ReplError):
         source.dump("rv12_nosuchdb")
 

@@ -22,13 +22,7 @@ import pytest
 
 from cmroot.repl import dumpdir
 from cmroot.repl.dumpdir import Dump, DumpEvent
-from tests.repl.conftest import (  # noqa: F401
-    Destination,
-    Source,
-    destination,
-    shared_destination,
-    source,
-)
+from tests.repl.conftest import Destination, Source
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -81,7 +75,7 @@ def _no_error(step: dict[str, Any]) -> None:
 
 # -- read_after ------------------------------------------------------------------------------
 def test_forged_read_after_never_skips_what_must_be_applied(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """read_after keyed by another database's table (a database bootstrap never reads one),
     read_after in an incremental dump, and read_after past the dump's end: none may make the
@@ -132,7 +126,7 @@ def test_forged_read_after_never_skips_what_must_be_applied(
 
 # -- refusals --------------------------------------------------------------------------------
 def test_one_table_dump_refused_inside_a_database_replica_whose_first_load_stopped(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """A database-level incremental load that stopped before its first id leaves a database
     marked with the source only (cmroot.repl.source): it is still a database-level replica
@@ -162,7 +156,7 @@ def test_one_table_dump_refused_inside_a_database_replica_whose_first_load_stopp
 
 
 def test_incremental_dump_of_another_database_refused_on_a_replica(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """A replica of rv14_a must not take rv14_b's incremental dump (same source, ids that
     line up): its tables would be written into rv14_a's replica."""
@@ -190,7 +184,7 @@ def test_incremental_dump_of_another_database_refused_on_a_replica(
 
 # -- column changes --------------------------------------------------------------------------
 def test_column_changes_keep_the_source_columns(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """char/varchar columns unchanged across an alter, a struct column added, a column
     dropped from a partitioned datasource table: the replica has the source's columns and
@@ -244,7 +238,7 @@ def test_column_changes_keep_the_source_columns(
 
 
 def test_forged_alter_that_drops_the_partition_columns_is_a_repl_error(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """An ALTER_TABLE whose definition no longer names the table's partition column (a
     forged or foreign event) must be refused as a ReplError, not crash the load with a
@@ -277,7 +271,7 @@ def test_forged_alter_that_drops_the_partition_columns_is_a_repl_error(
 
 # -- cmroot repl dump --after ----------------------------------------------------------------
 def _after(
-    source: Source, previous: str, to_dir: Path  # noqa: F811
+    source: Source, previous: str, to_dir: Path
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "cmroot.cli", "repl", "dump", "--after", previous,
@@ -286,7 +280,7 @@ def _after(
     )
 
 
-def test_dump_after_odd_previous_dumps(source: Source, tmp_path: Path) -> None:  # noqa: F811
+def test_dump_after_odd_previous_dumps(source: Source, tmp_path: Path) -> None:
     """--after with a database dump continues it (or refuses clearly); with a previous dump
     that cannot be read, or of another source, it fails naming the previous dump, never
     blaming --to-dir, never with a traceback."""

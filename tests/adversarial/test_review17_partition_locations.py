@@ -15,15 +15,7 @@ import pytest
 
 from cmroot.repl import dumpdir
 from cmroot.repl.dumpdir import Dump
-from tests.repl.conftest import (  # noqa: F401
-    Destination,
-    Source,
-    destination,
-    files_below,
-    load_ok,
-    shared_destination,
-    source,
-)
+from tests.repl.conftest import Destination, Source, files_below, load_ok
 from tests.server.cmroot_daemon import Daemon
 
 pytestmark = pytest.mark.timeout(900)
@@ -87,7 +79,7 @@ def test_daemon_refuses_hostile_partition_locations(daemon: Daemon) -> None:
 
 
 def test_dropping_a_partition_keeps_another_tables_partition_inside_it(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """Source: external table r17n.e with partition p=1 at its own location X; managed
     table r17n.m with partition p=1 at X/m1 (inside e's partition directory); a row in
@@ -128,7 +120,7 @@ def test_dropping_a_partition_keeps_another_tables_partition_inside_it(
 
 
 def test_two_table_replicas_of_one_source_table_keep_their_own_partitions(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """Source table r17s.t: p=1 at its default place, p=2 at its own location outside the
     table. One bootstrap of r17s.t is loaded twice into one destination database, as
@@ -168,7 +160,7 @@ def test_two_table_replicas_of_one_source_table_keep_their_own_partitions(
 
 
 def test_forged_partition_locations_are_refused_and_change_nothing(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """Source r17f.t: p=1 at its default place, p=2 at its own location; loaded. Then the
     source adds p=3 at its own location and writes a row there; that dump is forged so the
@@ -245,7 +237,7 @@ def test_forged_partition_locations_are_refused_and_change_nothing(
 
 
 def test_dropping_an_outer_partition_leaves_the_replica_equal_to_the_source(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """Source r17o.t (Hive format, STORED AS PARQUET): p=1 at its own location X, p=2 at
     X/inner (nested inside p=1's), a row each; p=3 at the table root's `p=3`. Loaded. Then

@@ -14,16 +14,7 @@ from __future__ import annotations
 import pytest
 
 from cmroot.repl import dumpdir
-from tests.repl.conftest import (  # noqa: F401
-    Destination,
-    Source,
-    destination,
-    files_below,
-    fresh_destination,
-    load_ok,
-    shared_destination,
-    source,
-)
+from tests.repl.conftest import Destination, Source, files_below, load_ok
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -32,7 +23,7 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def test_dropping_an_external_table_keeps_another_tables_partition_inside_it(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """Source: external table r18x.e (partitioned, LOCATION own/e) with a row in p=1;
     managed table r18x.m whose p=1 lies at own/e/zz (inside e's directory, in none of
@@ -68,7 +59,7 @@ def test_dropping_an_external_table_keeps_another_tables_partition_inside_it(
 
 
 def test_dropping_a_partition_of_an_external_table_keeps_its_partition_nested_in_it(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """Source: external table r18y.t at own/t; p=1 at its default place own/t/p=1 (row
     1), p=2 at own/t/p=1/inner (inside p=1's directory, row 2). Load. The source drops
@@ -105,7 +96,7 @@ def test_dropping_a_partition_of_an_external_table_keeps_its_partition_nested_in
 
 
 def test_renaming_a_partition_of_an_external_table_keeps_its_files(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """Source: external table r18r.t at own/t; p=1 at its own location own/c1 (outside the
     table), one row. Load. The source renames p=1 to p=5 (an external table's partition
@@ -143,7 +134,7 @@ def test_renaming_a_partition_of_an_external_table_keeps_its_files(
 
 
 def test_a_load_killed_among_partition_moves_and_drops_ends_equal_to_the_source(
-    source: Source, fresh_destination: Destination  # noqa: F811
+    source: Source, fresh_destination: Destination
 ) -> None:
     """Source r18k.t (managed): p=1 at its default place, p=2 at own/a, p=3 at own/b, a
     row each. Load (incremental from the database's creation). Then the source moves p=2
@@ -211,7 +202,7 @@ def test_a_load_killed_among_partition_moves_and_drops_ends_equal_to_the_source(
 
 
 def test_drop_database_cascade_leaves_another_replica_of_the_same_source(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """Source r18d: table t with p=1 at its default place and p=2 at its own location, an
     external table e. Its incremental dump (from before CREATE DATABASE) is loaded as
@@ -246,7 +237,7 @@ def test_drop_database_cascade_leaves_another_replica_of_the_same_source(
 
 
 def test_a_renamed_table_keeps_following_its_own_partitions(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """Source r18n.t (managed): p=1 at its default place, p=2 at own/t2 (outside), p=3 at
     t's directory's `custom3` (inside, not its default place); a row each. Load. The
@@ -307,7 +298,7 @@ def test_a_renamed_table_keeps_following_its_own_partitions(
 
 
 def test_overwrites_and_dynamic_inserts_into_partitions_at_their_own_locations(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """Source r18w: data source table d and Hive table h (STORED AS PARQUET), each with
     p=1 at its default place and p=2 at its own location (outside the table), a row each.
@@ -360,7 +351,7 @@ def test_overwrites_and_dynamic_inserts_into_partitions_at_their_own_locations(
 
 
 def test_special_characters_in_partition_values_and_own_locations(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """Source r18c.t partitioned by a string s: values 'a b', 'x=y', 'a/b', '50%' and
     'ünï' at their default places, and values 'o p', 'q=r', 's/t', '7%', 'ü2' at their
@@ -418,7 +409,7 @@ def test_special_characters_in_partition_values_and_own_locations(
 
 
 def test_msck_repair_of_a_table_with_partitions_at_their_own_locations(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """Source r18m.t (external at own/t): p=1 at its default place, p=2 at own/x2
     (outside the table), a row each. Load. The source drops both partitions (external:

@@ -17,16 +17,7 @@ from typing import Any
 import pytest
 
 from cmroot.repl import dumpdir
-from tests.repl.conftest import (  # noqa: F401
-    Destination,
-    Source,
-    destination,
-    files_below,
-    fresh_destination,
-    load_ok,
-    shared_destination,
-    source,
-)
+from tests.repl.conftest import Destination, Source, files_below, load_ok
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -44,7 +35,7 @@ def _lit(v: str) -> str:
 
 
 def test_dropping_a_managed_table_takes_another_tables_partition_nested_in_it(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """Source: managed r19a.t (default place, a row); managed r19a.m whose p=1 lies at
     t's directory's `zz` (inside t's directory), a row. Load. The source drops t
@@ -81,7 +72,7 @@ def test_dropping_a_managed_table_takes_another_tables_partition_nested_in_it(
 
 
 def test_an_external_partition_readded_after_its_table_moved_shows_no_stale_rows(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """Source: external r19b.t at own/t, p=1 (row 1). Load. The source moves the table to
     own/t2 (partitions keep their places), drops p=1 (external: own/t/p=1 keeps its
@@ -119,7 +110,7 @@ def test_an_external_partition_readded_after_its_table_moved_shows_no_stale_rows
 
 
 def test_an_external_table_moved_away_and_a_table_created_at_its_old_place(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """Source: external r19c.e at own/e (row 1); external r19c.x at own/e2 (row 2), then
     x dropped (its file stays). Load. The source moves e to own/e2 (e now shows 2), then
@@ -160,7 +151,7 @@ def test_an_external_table_moved_away_and_a_table_created_at_its_old_place(
 
 
 def test_an_external_partitioned_table_recreated_over_its_directory(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """Source: external r19d.e at own/e partitioned by p, p=1 (row 1); external r19d.f
     (not partitioned) at own/f (row 5). Load. The source drops e (files stay) and
@@ -210,7 +201,7 @@ def test_an_external_partitioned_table_recreated_over_its_directory(
 
 
 def test_overwrite_truncate_and_a_move_back_keep_the_replica_equal(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """Source: managed r19o.t (not partitioned, row 1 at its default place D); managed
     r19o.h partitioned, p=1 at D' default (row 1). Load. The source moves t to own/n and
@@ -256,7 +247,7 @@ def test_overwrite_truncate_and_a_move_back_keep_the_replica_equal(
 
 
 def test_a_partition_directory_named_as_another_values_decoded_name(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """Source: managed r19h.t partitioned by string s: s='q' added at LOCATION
     `<t>/s=x=y` (a directory named as value 'x=y''s escaped name `s=x%3Dy` reads once
@@ -294,7 +285,7 @@ def test_a_partition_directory_named_as_another_values_decoded_name(
 
 
 def test_special_values_through_msck_dynamic_inserts_renames_and_moves(
-    source: Source, destination: Destination  # noqa: F811
+    source: Source, destination: Destination
 ) -> None:
     """Source: external r19j.e at own/e and managed r19j.m, both partitioned by string s.
     Dynamic inserts write values 'x=y', 'a/b', '50%', 'c:d', 'sp ace', 'ünï' into both;
@@ -383,7 +374,7 @@ def test_special_values_through_msck_dynamic_inserts_renames_and_moves(
 
 
 def test_a_load_killed_after_moving_an_external_table_ends_equal_to_the_source(
-    source: Source, fresh_destination: Destination  # noqa: F811
+    source: Source, fresh_destination: Destination
 ) -> None:
     """Source: external r19k.e at own/e (row 1), external r19k.x at own/e2 (row 2), x
     dropped. Then e is moved to own/e2, written (row 3) and dropped (external: own/e2
