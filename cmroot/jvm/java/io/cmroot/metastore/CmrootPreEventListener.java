@@ -124,10 +124,14 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
     Cmroot.Settings s = Drops.settings(getConf());
     String loc = Drops.location(t);
     Cmroot.refuseRootRemoval(loc, s, "DROP TABLE " + Drops.name(t) + " located at");
-    if (t.getPartitionKeysSize() == 0 || !s.enabled) {
+    if (!s.enabled) {
       return;
     }
     List<String> outside = new ArrayList<>();
+    if (t.getPartitionKeysSize() == 0) {
+      stageInStatement(s, t, loc, outside);
+      return;
+    }
     for (Partition p : Drops.partitions(event, t)) {
       String dir = Drops.location(t, p);
       if (dir != null && (loc == null || !Cmroot.under(dir, loc))) {
@@ -138,6 +142,35 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
     }
     if (!outside.isEmpty()) {
       Call.get().planPartitionDirs(Drops.dropKey(t, null), outside);
+    }
+    stageInStatement(s, t, loc, outside);
+  }
+
+  /**
+   * Inside an engine's statement (Spark's embedded metastore), the table's data is staged
+   * now as well, before the metastore changes anything: a file written into the directory
+   * meanwhile (after the transactional listener's last look) would reach Spark's file
+   * system hook only from the metastore's delete, after the drop was committed, where a
+   * refusal could no longer undo it. The transactional listener stages what came since.
+   */
+  private void stageInStatement(Cmroot.Settings s, Table t, String loc, List<String> outside)
+      throws MetaException {
+    Statement st = Statement.Registry.current();
+    if (st == null || t.getSd() == null) {
+      return;
+    }
+    List<String> dirs = new ArrayList<>();
+    dirs.add(loc);
+    dirs.addAll(outside);
+    Boolean purge = st.purgeOf(t.getDbName(), t.getTableName());
+    String auto = t.getParameters() == null ? null : t.getParameters().get("auto.purge");
+    try {
+      Stage.stage(getConf(), s, t, java.util.Collections.singletonList(Drops.dropKey(t, null)),
+          java.util.Collections.<java.util.Map<String, String>>emptyList(), dirs, outside,
+          "table " + Drops.name(t), "DROP_TABLE",
+          Boolean.TRUE.equals(purge) || "true".equalsIgnoreCase(auto));
+    } catch (java.io.IOException e) {
+      throw Drops.metaException(e);
     }
   }
 }

@@ -39,6 +39,9 @@ public interface Statement {
   /** A CTAS's INSERT event, held until its table's CREATE_TABLE was recorded; or null. */
   Map<String, Object> takeDeferredInsert(String db, String table);
 
+  /** Whether the statement drops table db.table with PURGE; null if it drops another. */
+  Boolean purgeOf(String db, String table);
+
   /** The partition (drop key) was renamed to `dir` by the statement. */
   void renamedTo(String key, String dir);
 

@@ -248,6 +248,12 @@ public final class CmrootStatement implements Statement {
 
   /** The partition `key` was renamed (or renamed and moved again) to `dir` by this statement. */
   @Override
+  public Boolean purgeOf(String db, String table) {
+    return table.equalsIgnoreCase(ctx.table) && db.equalsIgnoreCase(String.valueOf(ctx.db))
+        ? ctx.purge : null;
+  }
+
+  @Override
   public void renamedTo(String key, String dir) {
     unit.renamed.put(key, String.valueOf(dir));
   }
