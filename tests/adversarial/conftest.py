@@ -8,11 +8,14 @@ from typing import Any
 
 import pytest
 
-from tests.repl.conftest import (
+from tests.repl.conftest import (  # noqa: F401 - fixtures the modules use
     RETAIN_OVERRIDES,
     SharedDestination,
     Source,
+    destination,
+    fresh_destination,
 )
+from tests.server.conftest import daemon, make_daemon  # noqa: F401
 from tests.spark.sparklib import hooked_lake
 
 
