@@ -61,15 +61,21 @@ class Hms:
         return buf.getvalue()
 
 
-def start_hms(base: Path, *conf_args: str) -> Hms:
+def start_hms(
+    base: Path, *conf_args: str, site: dict[str, str] | None = None,
+    classpath: list[str] | None = None,
+) -> Hms:
+    """A daemon and a metastore running the plugin as `cmroot metastore-conf CONF_ARGS`
+    prints it; `site` and `classpath` add what the metastore needs besides (a file system)."""
     daemon = Daemon(base).start()
     token = base / "plugin.token"
     token.write_text(daemon.tokens["write"] + "\n")
     token.chmod(0o600)
     conf = metastore_conf("--url", daemon.url, "--token-file", str(token), *conf_args)
     try:
-        ms = start_metastore(base / "hms", daemon.warehouse, conf["properties"],
-                             conf["classpath"])
+        ms = start_metastore(base / "hms", daemon.warehouse,
+                             {**conf["properties"], **(site or {})},
+                             [*conf["classpath"], *(classpath or [])])
     except BaseException:
         daemon.stop()
         raise

@@ -151,6 +151,10 @@ def hooked_lake(
         with contextlib.suppress(Exception):
             spark.stop()
             release_filesystems()
+            if extra is not None:
+                # Hive's client state outlives the session in this JVM (a remote metastore's
+                # URIs, say): the next application gets a JVM of its own.
+                fresh_jvm_if_needed(None)
         daemon.stop()
 
 

@@ -142,3 +142,40 @@ def test_disabled_deletes_as_spark_does(lake: Lake) -> None:
         lake.sql("DROP TABLE disabled")
     assert not lake.table_dir("disabled").exists()
     assert lake.daemon.events_after(since) == []
+
+
+def test_a_root_on_another_file_system_refuses_every_command(lake: Lake) -> None:
+    """A warehouse root on a file system the hook does not replace (s3a://, hdfs://):
+    Spark would delete the data of drops and overwrites there unkept. Every command is
+    refused, saying so, and changes nothing; queries still run."""
+    before = make(lake, "foreign_root")
+    since = lake.daemon.current()
+    roots = f"{lake.warehouse},s3a://bucket/warehouse"
+    with app_conf(lake.spark, "spark.cmroot.warehouseRoots", roots):
+        for statement in ("DROP TABLE foreign_root",
+                          "INSERT OVERWRITE foreign_root SELECT 9, 1",
+                          "TRUNCATE TABLE foreign_root",
+                          "ALTER TABLE foreign_root DROP PARTITION (p=1)"):
+            with pytest.raises(Exception, match=r"cmroot refuses .*s3a://bucket/warehouse\]"
+                               r" are not on the local file system"):
+                lake.sql(statement)
+        with pytest.raises(Exception, match="cmroot refuses"):
+            lake.spark.range(1).selectExpr("CAST(id AS INT) a", "1 p").write.mode(
+                "overwrite").saveAsTable("foreign_root")
+        assert lake.sql("SELECT count(*) FROM foreign_root")[0][0] == 4
+    assert data_files(lake.table_dir("foreign_root")) == before
+    assert lake.daemon.events_after(since) == []
+
+
+def test_a_root_on_another_file_system_with_fail_open_keeps_the_local_ones(
+    lake: Lake,
+) -> None:
+    before = make(lake, "foreign_open")
+    since = lake.daemon.current()
+    roots = f"{lake.warehouse},s3a://bucket/warehouse"
+    with app_conf(lake.spark, "spark.cmroot.warehouseRoots", roots), \
+            app_conf(lake.spark, "spark.cmroot.failOpen", "true"):
+        lake.sql("DROP TABLE foreign_open")
+    (event,) = lake.daemon.events_after(since)
+    assert event["eventType"] == "DROP_TABLE"
+    assert sorted(f["path"] for f in event["files"]) == sorted(before)

@@ -66,11 +66,18 @@ public final class Cmroot {
     public final boolean failOpen;
     public final boolean debug;
     public final List<String> roots;
+    /**
+     * The roots on another file system than the local one (s3a://, hdfs://...), as
+     * {@link #uriKey} spells them: the hooks cannot keep files there yet, so what would
+     * delete under them is refused (see {@link #refuseForeign}).
+     */
+    public final List<String> foreignRoots;
     /** Seconds a prepared recycle is held for its statement between renewals. */
     public final long leaseSeconds;
 
     public Settings(String url, String token, String tokenFile, boolean enabled,
-        boolean failOpen, boolean debug, List<String> roots, long leaseSeconds) {
+        boolean failOpen, boolean debug, List<String> roots, List<String> foreignRoots,
+        long leaseSeconds) {
       this.url = url;
       this.token = token;
       this.tokenFile = tokenFile;
@@ -78,6 +85,7 @@ public final class Cmroot {
       this.failOpen = failOpen;
       this.debug = debug;
       this.roots = roots;
+      this.foreignRoots = foreignRoots;
       this.leaseSeconds = leaseSeconds;
     }
 
@@ -139,11 +147,14 @@ public final class Cmroot {
       roots = hconf.get("spark.sql.warehouse.dir", hconf.get("hive.metastore.warehouse.dir"));
     }
     List<String> list = new ArrayList<>();
+    List<String> foreign = new ArrayList<>();
     if (roots != null) {
       for (String r : roots.split(",")) {
         String p = localPath(r.trim());
         if (p != null && !p.isEmpty()) {
           list.add(p);
+        } else if (!r.trim().isEmpty()) {
+          foreign.add(uriKey(r.trim()));
         }
       }
     }
@@ -158,6 +169,7 @@ public final class Cmroot {
         Boolean.parseBoolean(conf(hconf, "failOpen", "false")),
         Boolean.parseBoolean(conf(hconf, "debug", "false")),
         list,
+        foreign,
         seconds(conf(hconf, "lease", "10m"), "cmroot.lease"));
   }
 
@@ -255,6 +267,53 @@ public final class Cmroot {
       }
     }
     return p.toString();
+  }
+
+  /**
+   * A location on another file system, spelt for comparison with {@link #under}: scheme and
+   * authority lower-cased, the path normalized (no `.`, `..`, doubled or trailing slashes).
+   */
+  public static String uriKey(String location) {
+    URI u = new org.apache.hadoop.fs.Path(location).toUri();
+    String path = u.getPath() == null ? "" : Paths.get("/" + u.getPath()).normalize().toString();
+    String scheme = u.getScheme() == null ? "" : u.getScheme().toLowerCase(Locale.ROOT) + "://";
+    String auth = u.getAuthority() == null ? "" : u.getAuthority().toLowerCase(Locale.ROOT);
+    return scheme + auth + ("/".equals(path) ? "" : path);
+  }
+
+  /**
+   * Refuse (throw) `what` when `location` is under a root on another file system than the
+   * local one, unless the settings fail open: cmroot keeps files on the local file system
+   * only, so a delete there would go ahead unkept. Null or local locations pass.
+   */
+  public static void refuseForeign(String location, Settings s, String what)
+      throws RecycleException {
+    if (location == null || !s.enabled || s.foreignRoots.isEmpty()
+        || localPath(location) != null || !location.matches("^[a-zA-Z][a-zA-Z0-9+.-]*:.*")) {
+      return;
+    }
+    String key;
+    try {
+      key = uriKey(location);
+    } catch (RuntimeException e) {
+      key = location;
+    }
+    for (String root : s.foreignRoots) {
+      if (under(key, root) || under(root, key)) {
+        String msg = "cmroot refuses " + what + " " + location + ": it is under the warehouse"
+            + " root " + root + ", on a file system cmroot cannot keep files of yet (only the"
+            + " local file system, file:, is supported), so its data would be deleted unkept.";
+        if (s.failOpen) {
+          FAIL_OPEN_EVENTS.incrementAndGet();
+          LOG.error(msg + " cmroot.failOpen is set: going ahead unprotected");
+          return;
+        }
+        msg += " Nothing was dropped or deleted. Keep the warehouse on a local path, or set "
+            + "cmroot.failOpen=true to run these drops unprotected.";
+        LOG.error(msg);
+        throw new RecycleException(msg, null);
+      }
+    }
   }
 
   public static boolean under(String path, String root) {

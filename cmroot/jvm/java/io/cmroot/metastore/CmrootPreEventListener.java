@@ -34,6 +34,11 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
   public CmrootPreEventListener(Configuration conf) {
     super(conf);
     Cmroot.Settings s = Drops.settings(conf);
+    if (s.enabled && !s.foreignRoots.isEmpty()) {
+      Cmroot.LOG.error("cmroot: the warehouse roots {} are not on the local filesystem, where"
+          + " alone this version keeps files: drops of data under them are refused{}",
+          s.foreignRoots, s.failOpen ? " (cmroot.failOpen: no, run unprotected)" : "");
+    }
     if (s.enabled && s.roots.isEmpty()) {
       // Every location is then outside the roots: drops would go ahead unkept, silently.
       Cmroot.LOG.error("cmroot: no warehouse root on the local filesystem (cmroot.warehouseRoots"
@@ -68,6 +73,9 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
           Iterator<Partition> it = e.getPartitionIterator();
           while (it.hasNext()) {
             Partition p = it.next();
+            String what = "the drop of partition " + p.getValues() + " of " + Drops.name(t)
+                + " located at";
+            Cmroot.refuseForeign(Drops.rawLocation(p.getSd()), s, what);
             Cmroot.refuseRootRemoval(Drops.location(t, p), s, "the drop of partition "
                 + p.getValues() + " of " + Drops.name(t) + " located at");
             Call.get().planPartitionDrop(t, p);
@@ -93,6 +101,7 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
       throws Cmroot.RecycleException, MetaException {
     Cmroot.Settings s = Drops.settings(getConf());
     String loc = Cmroot.localPath(d.getLocationUri());
+    Cmroot.refuseForeign(d.getLocationUri(), s, "DROP DATABASE " + d.getName() + " located at");
     Cmroot.refuseRootRemoval(loc, s, "DROP DATABASE " + d.getName() + " located at");
     if (!s.enabled) {
       return;
@@ -123,6 +132,8 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
       throws Cmroot.RecycleException, MetaException {
     Cmroot.Settings s = Drops.settings(getConf());
     String loc = Drops.location(t);
+    Cmroot.refuseForeign(Drops.rawLocation(t.getSd()), s, "DROP TABLE " + Drops.name(t)
+        + " located at");
     Cmroot.refuseRootRemoval(loc, s, "DROP TABLE " + Drops.name(t) + " located at");
     if (!s.enabled) {
       return;
@@ -133,6 +144,8 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
       return;
     }
     for (Partition p : Drops.partitions(event, t)) {
+      Cmroot.refuseForeign(Drops.rawLocation(p.getSd()), s, "DROP TABLE " + Drops.name(t)
+          + ", whose partition " + p.getValues() + " is located at");
       String dir = Drops.location(t, p);
       if (dir != null && (loc == null || !Cmroot.under(dir, loc))) {
         Cmroot.refuseRootRemoval(dir, s, "DROP TABLE " + Drops.name(t) + ", whose partition "

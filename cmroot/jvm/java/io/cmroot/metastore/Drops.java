@@ -56,6 +56,11 @@ public final class Drops {
     return !"EXTERNAL_TABLE".equals(t.getTableType()) && !"TRUE".equalsIgnoreCase(ext);
   }
 
+  /** A storage descriptor's location as the metastore holds it (any scheme), or null. */
+  static String rawLocation(org.apache.hadoop.hive.metastore.api.StorageDescriptor sd) {
+    return sd == null ? null : sd.getLocation();
+  }
+
   static String location(Table t) {
     return t.getSd() == null ? null : Cmroot.localPath(t.getSd().getLocation());
   }

@@ -32,7 +32,9 @@ import scala.runtime.BoxedUnit;
  *   <li>a check rule refusing DROP DATABASE of a database located at a warehouse root or at
  *       a directory containing one, before anything is dropped.
  *   <li>a check rule refusing every statement when the application's metastore is remote
- *       and does not run the cmroot plugin ({@link RemoteMetastore}).
+ *       and does not run the cmroot plugin ({@link RemoteMetastore}), and every command when
+ *       a warehouse root is on a file system the hook cannot keep files of
+ *       ({@link ForeignRoots}).
  *   <li>the cmroot settings that decide whether and where files are kept
  *       ({@link Cmroot#FIXED_KEYS}) are the application's: registered as static SQL configs,
  *       so {@code spark.conf.set} refuses them, and a check rule refuses {@code SET} of any
@@ -75,7 +77,9 @@ public class CmrootExtensions extends AbstractFunction1<SparkSessionExtensions, 
             return new AbstractFunction1<LogicalPlan, BoxedUnit>() {
               @Override
               public BoxedUnit apply(LogicalPlan plan) {
-                RemoteMetastore.refuseUnprotected(session, plan, Cmroot.settings(null));
+                Cmroot.Settings s = Cmroot.settings(null);
+                ForeignRoots.refuse(plan, s);
+                RemoteMetastore.refuseUnprotected(session, plan, s);
                 return BoxedUnit.UNIT;
               }
             };
