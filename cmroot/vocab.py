@@ -70,10 +70,14 @@ class Status(_Name):
 
 class Method(_Name):
     """How one file of a recycle was staged, written to the journal before it moves, so
-    recovery never has to guess: a rename takes the source away, a copy leaves it."""
+    recovery never has to guess: a rename takes the source away, a copy leaves it (until
+    clean-up after the commit, when it moves), a take copies it and then removes it once
+    the copy is journaled (a move off a filesystem the store cannot rename from: an object
+    store), so that a prepared delete is a delete there too."""
 
     RENAME = "rename"
     COPY = "copy"
+    TAKE = "take"
 
 
 class TxState(_Name):

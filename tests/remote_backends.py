@@ -46,6 +46,12 @@ class RemoteWarehouse:
         return data
 
 
+def reopen(wh: RemoteWarehouse) -> Store:
+    """Close `wh`'s store (as a crash would leave it) and open it again: recovery runs."""
+    wh.store.close()
+    return _store(Path(wh.store.layout.root), wh.url())
+
+
 def _bucket() -> str:
     return f"wh-{uuid.uuid4().hex[:8]}"
 

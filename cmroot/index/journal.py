@@ -79,6 +79,16 @@ class JournalTables(Catalog, EventLog):
                 (TxState.PREPARED.value, lease, txid),
             )
 
+    def journal_copied(self, txid: str, seq: int, checksum: str, size: int, ident: str) -> None:
+        """One file's copy is complete and verified (checksum, size, the identity of the
+        source copied): recorded before a take removes the source, so a rollback knows
+        the staged copy is whole and may put it back."""
+        with self.transaction() as db:
+            db.execute(
+                "UPDATE journal SET checksum = ?, size = ?, ident = ? WHERE txid = ? AND seq = ?",
+                (checksum, size, ident, txid, seq),
+            )
+
     def journal_reopen(self, txid: str) -> None:
         """A prepared transaction is being rolled back: open again, so a crash meanwhile
         is rolled back by recovery and a late commit finds nothing to commit."""

@@ -11,16 +11,18 @@ What is durable: the transaction and, per file, its source, staged name and *met
 copy), then, in the one SQLite transaction that records the event, the committed state
 and the identities of copied sources. Everything else is observed on disk, so recovery
 never guesses: a staged file of a rename is the source itself; one of a copy is a copy
-(maybe partial) of a source that never left.
+(maybe partial) of a source that never left; one of a take is a copy whose source was
+removed only after the copy's checksum was journaled (no checksum: it never left).
 
 Rolling back an open transaction (a failure, or recovery after a crash), per file:
 - unpublish: an object that is a hard link of the staged file is removed if nobody else
   uses it, else given bytes of its own, so no warehouse file ever shares an inode with a
   store object;
 - a copy is dropped; a renamed file goes back to its source path with a link that never
-  clobbers: if a writer re-created that path meanwhile, the old bytes stay in the store
-  as a *displaced* entry (retrievable by path and old checksum, recorded with no event:
-  no replica may replay a drop that did not happen).
+  clobbers, and a taken one (copied off an object store, then removed there) is uploaded
+  back by an exclusive create: if a writer re-created that path meanwhile, the old bytes
+  stay in the store as a *displaced* entry (retrievable by path and old checksum,
+  recorded with no event: no replica may replay a drop that did not happen).
 A committed transaction is finished instead: copied sources are removed (only if
 unchanged), staging names and emptied directories go. Each transaction is recovered on
 its own: one that fails is quarantined (kept, reported, retried at the next open) and
@@ -103,6 +105,11 @@ class Journal:
         self.index.journal_set_method(txid, it.seq, Method.COPY)
         it.method = Method.COPY
 
+    def copied(self, txid: str, it: Item) -> None:
+        """A take's copy is whole: record it before the source goes (see `_undo`)."""
+        assert it.checksum is not None and it.ident is not None
+        self.index.journal_copied(txid, it.seq, it.checksum, it.size, it.ident)
+
     def commit(
         self, txid: str, mode: Mode, event: Event, entries: Sequence[Entry], items: Sequence[Item]
     ) -> int:
@@ -168,6 +175,8 @@ class Journal:
                 except (OSError, RootUnavailable) as e:
                     # Its way back is gone (the parent became a file, or a symlink out of
                     # the root): keep it in the store rather than stop the whole rollback.
+                    # A take's upload failed (the store unreachable, say): quarantined,
+                    # retried at the next start, when it can usually go back.
                     if it.method != Method.RENAME or not _regular(it.staged):
                         raise
                     log.warning("a file cannot go back to its source path: kept in the store",
@@ -220,9 +229,11 @@ class Journal:
             # Deduplicated against an object another statement published ahead: if that
             # statement is gone too (rolled back before us), nobody needs it any more.
             self.objects.discard_unindexed(txid, it.checksum, made_only=True)
-        if it.method == Method.COPY:
-            os.unlink(it.staged)  # the source never left
+        if it.method == Method.COPY or (it.method == Method.TAKE and it.checksum is None):
+            os.unlink(it.staged)  # the source never left (a take's copy was never whole)
             return FileState.STAGED_BY_COPY
+        # A rename, or a take whose copy was whole: the source may be gone. It goes back
+        # unless its path holds other bytes now (then the old ones are kept, displaced).
         if session.put_back(it.rel, it.staged):
             return FileState.PLANNED
         return FileState.STAGED_BY_RENAME

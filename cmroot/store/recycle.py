@@ -51,6 +51,7 @@ from cmroot.index import Entry, Event, Index, PendingTx
 from cmroot.store.journal import Item, Journal, Sessions, entries_of
 from cmroot.store.layout import Layout, sync_filesystem
 from cmroot.store.objects import Objects, needs_private
+from cmroot.store.source import Session
 from cmroot.store.warehouse import Root, Warehouse
 from cmroot.vocab import DESTRUCTIVE, FileState, Method, Mode, TxState
 
@@ -470,6 +471,8 @@ class Recycler:
             it.checksum, it.ident = session.copy_out(it.rel, it.staged)
             st = os.lstat(it.staged)
             it.size = st.st_size
+            if it.method == Method.TAKE:
+                self._take(txid, it, session)
         if ahead is None:
             self._publish(txid, it, needs_private(it.staged, st.st_nlink))
         elif st.st_nlink > 1:
@@ -477,6 +480,21 @@ class Recycler:
             # hashed, not at commit, after the statement's other names may have changed.
             self.objects.private_copy(it.staged, it.checksum)
             ahead.private.add(it.seq)
+
+    def _take(self, txid: str, it: Item, session: Session) -> None:
+        """Remove a copied source now, as a rename would have (a prepared delete is a
+        delete: the caller may write a new file at the path before it commits). Only the
+        object that was copied: one rewritten or removed since fails the recycle."""
+        assert it.ident is not None
+        self.journal.copied(txid, it)
+        faults.point("recycle.copy_journaled")
+        if not session.remove_if_unchanged(it.rel, it.ident):
+            raise Conflict(
+                "a file changed while it was recycled",
+                f"{it.key} was rewritten or removed after it was copied into the store; the"
+                " recycle was rolled back and nothing of it recorded: try again",
+            )
+        faults.point("recycle.source_taken")
 
     def _publish(self, txid: str, it: Item, private: bool) -> bool:
         """Publish one file's object (`private`: a copy of its bytes, not its inode); True

@@ -1,5 +1,7 @@
 """A warehouse on another filesystem: recycle copies into the store with verification,
-deletes the source only after the commit, and resolves and serves through fsspec.
+then takes the source away (a prepared delete is a delete, as a rename makes it locally);
+a rollback, or recovery after a crash, uploads it back, never over an object written there
+meanwhile; the store resolves and serves through fsspec.
 
 The tests are a conformance class run against every backend: fsspec's in-memory
 filesystem and a real S3 server on loopback (moto's server mode, through s3fs)."""
@@ -9,10 +11,11 @@ from __future__ import annotations
 import os
 
 import pytest
-from remote_backends import RemoteWarehouse
+from remote_backends import RemoteWarehouse, reopen
 
 from cmroot import checksum as cks
-from cmroot.exceptions import NotFound, OutsideRoots
+from cmroot import faults
+from cmroot.exceptions import Conflict, NotFound, OutsideRoots, RecycleFailed
 from cmroot.store import RecycleRequest
 
 
@@ -59,6 +62,98 @@ class RemoteWarehouseTests:
         with pytest.raises(OutsideRoots):
             store.recycle(RecycleRequest([f"{wh.protocol}://elsewhere/x"], op="DELETE"))
         assert store.index.current_event_id() == 0
+
+
+    def table(self, wh: RemoteWarehouse) -> dict[str, bytes]:
+        files = {f"db/t/p={p}/part-{i}": os.urandom(2000 + i) for p in (1, 2) for i in range(2)}
+        for rel, data in files.items():
+            wh.write(rel, data)
+        return files
+
+    def drop(self) -> RecycleRequest:
+        return RecycleRequest([], op="DROP_TABLE", db="db", table="t")
+
+    def test_a_prepare_takes_the_files_and_a_commit_records_them(
+        self, wh: RemoteWarehouse
+    ) -> None:
+        files = self.table(wh)
+        prepared = wh.store.prepare(RecycleRequest([wh.url("db/t")], op="DROP_TABLE", db="db",
+                                                   table="t"))
+        assert not wh.fs.find(wh.path("db/t"))  # gone at prepare, as a rename takes them
+        assert wh.store.index.current_event_id() == 0
+        wh.write("db/t/p=1/part-new", b"the statement's new file")  # never touched
+        res = wh.store.commit(prepared.txid)
+        assert sorted(f.path for f in res.files) == sorted(wh.url(r) for r in files)
+        for f in res.files:
+            with wh.store.open_verified(f.path, f.checksum) as v:
+                assert os.pread(v.fd, 1 << 20, 0) == files[f.path[len(wh.url()) + 1:]]
+        assert wh.read("db/t/p=1/part-new") == b"the statement's new file"
+        assert not os.listdir(wh.store.layout.staging)
+
+    def test_an_abort_puts_every_file_back(self, wh: RemoteWarehouse) -> None:
+        files = self.table(wh)
+        prepared = wh.store.prepare(RecycleRequest([wh.url("db/t")], op="DROP_TABLE"))
+        assert wh.store.abort(prepared.txid) == []
+        assert {r: wh.read(r) for r in files} == files
+        assert wh.store.index.current_event_id() == 0
+        assert not os.listdir(wh.store.layout.staging)
+
+    def test_an_abort_never_overwrites_a_file_written_meanwhile(
+        self, wh: RemoteWarehouse
+    ) -> None:
+        files = self.table(wh)
+        prepared = wh.store.prepare(RecycleRequest([wh.url("db/t")], op="DROP_TABLE"))
+        wh.write("db/t/p=1/part-0", b"a writer's new bytes")
+        assert wh.store.abort(prepared.txid) == [wh.url("db/t/p=1/part-0")]
+        assert wh.read("db/t/p=1/part-0") == b"a writer's new bytes"
+        assert {r: wh.read(r) for r in files if r != "db/t/p=1/part-0"} == {
+            r: d for r, d in files.items() if r != "db/t/p=1/part-0"}
+        old = files["db/t/p=1/part-0"]
+        with wh.store.open_verified(wh.url("db/t/p=1/part-0"), cks.of_bytes(old)) as v:
+            assert os.pread(v.fd, 1 << 20, 0) == old  # displaced: kept, with no event
+        assert wh.store.index.current_event_id() == 0
+
+    def test_a_file_rewritten_between_copy_and_take_fails_the_recycle(
+        self, wh: RemoteWarehouse, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        files = self.table(wh)
+        real = faults.point
+        copied: list[str] = []
+
+        def rewrite(name: str) -> None:
+            # The last file (they go in order, one thread), once its copy is journaled.
+            if name == "recycle.copy_journaled":
+                copied.append(name)
+                if len(copied) == len(files):
+                    wh.write("db/t/p=2/part-1", b"rewritten after its copy")
+            real(name)
+
+        monkeypatch.setattr(faults, "point", rewrite)
+        wh.store.recycler.workers = 1
+        with pytest.raises((Conflict, RecycleFailed), match="changed while it was recycled"):
+            wh.store.recycle(RecycleRequest([wh.url("db/t")], op="DROP_TABLE"))
+        now = {r: wh.read(r) for r in files}
+        assert now.pop("db/t/p=2/part-1") == b"rewritten after its copy"
+        assert now == {r: d for r, d in files.items() if r != "db/t/p=2/part-1"}
+        assert wh.store.index.current_event_id() == 0
+
+    @pytest.mark.parametrize("point", ["recycle.copy_journaled", "recycle.source_taken"])
+    def test_a_crash_after_a_take_puts_the_files_back_at_recovery(
+        self, wh: RemoteWarehouse, point: str
+    ) -> None:
+        files = self.table(wh)
+        wh.store.recycler.workers = 1
+        faults.arm(point, 3, crash=True)
+        try:
+            with pytest.raises(faults.Crash):
+                wh.store.prepare(RecycleRequest([wh.url("db/t")], op="DROP_TABLE"))
+        finally:
+            faults.disarm()
+        assert len(wh.fs.find(wh.path("db/t"))) < len(files)  # some were taken
+        with reopen(wh) as reopened:  # recovery rolls the open transaction back
+            assert {r: wh.read(r) for r in files} == files
+            assert reopened.index.current_event_id() == 0
+            assert not os.listdir(reopened.layout.staging)
 
 
 class TestMemory(RemoteWarehouseTests):

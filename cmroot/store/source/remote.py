@@ -1,10 +1,13 @@
 """A warehouse root on any fsspec filesystem (object stores above all). Nothing there can
-be renamed into the local store, so every file is staged by copy, and a source is removed
-after commit only while its identity (ETag, version id) is the one that was copied."""
+be renamed into the local store, so every file is staged by copy. A move then takes the
+source away once its copy is journaled, and only while its identity (ETag, version id) is
+the one copied: a prepared delete is a delete, as a rename makes it locally. A rollback
+uploads it back, never over an object written there meanwhile."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -56,7 +59,7 @@ class RemoteSource(Source):
         return f"{self.root_path}/{rel}" if rel else self.root_path
 
     def method(self, mode: Mode) -> Method:
-        return Method.COPY
+        return Method.TAKE if mode == Mode.MOVE else Method.COPY
 
     @contextmanager
     def session(self) -> Iterator[RemoteSession]:
@@ -121,8 +124,31 @@ class RemoteSession(Session):
             return True
 
     def put_back(self, rel: str, staged: str) -> bool:
-        # Never called: a remote file is only ever copied, and its source stays put.
-        raise AssertionError("remote files are staged by copy")
+        """Upload a taken file back, never over an object written there meanwhile (an
+        exclusive create: S3's If-None-Match). True when `rel` holds the staged bytes
+        (put back now, or by a try a crash cut short, or never taken)."""
+        path = self.source.path(rel)
+        try:
+            with open(staged, "rb") as fin, self.fs.open(path, "xb") as out:
+                shutil.copyfileobj(fin, out, cks.CHUNK)
+        except FileExistsError:
+            if not self._holds(path, staged):
+                return False
+        os.unlink(staged)
+        return True
+
+    def _holds(self, path: str, staged: str) -> bool:
+        """Whether the object at `path` has the staged file's bytes."""
+        try:
+            if fresh_info(self.fs, path).get("type") != "file":
+                return False
+            h = xxhash.xxh3_128()
+            with self.fs.open(path, "rb") as fin:
+                while chunk := fin.read(cks.CHUNK):
+                    h.update(chunk)
+        except FileNotFoundError:
+            return False
+        return h.hexdigest() == cks.of_local_file(staged)
 
     def remove_if_unchanged(self, rel: str, ident: str) -> bool:
         path = self.source.path(rel)
