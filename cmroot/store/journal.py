@@ -213,6 +213,9 @@ class Journal:
     def _undo(self, txid: str, it: Item, session: Session) -> FileState:
         """Undo one file. Returns STAGED_BY_RENAME if it could not go back (displaced),
         else the state it was found in."""
+        # A take's copy is whole only if its checksum was journaled (or, on the forward
+        # path, known) before the source went; observe() hashes whatever is staged.
+        whole = it.checksum is not None
         state = self.observe(it)
         if state == FileState.PLANNED:
             if it.checksum:
@@ -229,7 +232,7 @@ class Journal:
             # Deduplicated against an object another statement published ahead: if that
             # statement is gone too (rolled back before us), nobody needs it any more.
             self.objects.discard_unindexed(txid, it.checksum, made_only=True)
-        if it.method == Method.COPY or (it.method == Method.TAKE and it.checksum is None):
+        if it.method == Method.COPY or (it.method == Method.TAKE and not whole):
             os.unlink(it.staged)  # the source never left (a take's copy was never whole)
             return FileState.STAGED_BY_COPY
         # A rename, or a take whose copy was whole: the source may be gone. It goes back

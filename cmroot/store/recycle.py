@@ -489,6 +489,10 @@ class Recycler:
         self.journal.copied(txid, it)
         faults.point("recycle.copy_journaled")
         if not session.remove_if_unchanged(it.rel, it.ident):
+            # Not taken (a writer changed or removed it): the copy goes first, so that no
+            # rollback puts back a file this recycle never removed.
+            os.unlink(it.staged)
+            it.checksum = None
             raise Conflict(
                 "a file changed while it was recycled",
                 f"{it.key} was rewritten or removed after it was copied into the store; the"

@@ -85,7 +85,7 @@ class Warehouse:
                 self.roots.append(Root(lp, src.fs, lp, True, reals[lp][0], src))
             else:
                 src = for_root(url, None)
-                self.roots.append(Root(url.rstrip("/"), src.fs, src.root_path, False, "", src))
+                self.roots.append(Root(_url_key(url), src.fs, src.root_path, False, "", src))
         by_path = {r.path: r.source for r in self.roots if r.local}
         for path, (_, outer) in reals.items():
             inner_src, outer_src = by_path[path], by_path[outer[0]] if outer else None
@@ -174,8 +174,7 @@ class Warehouse:
                     f"{raw!r} resolves through a symlink to {real!r}",
                 )
             return Located(key, root, key, st, statted, dirs is not None)
-        scheme, _, rest = raw.partition("://")
-        key = f"{scheme}://{_normalise('/' + rest, raw)[1:]}"
+        key = _url_key(raw)
         for root in self.roots:
             if not root.local and _under(key, root.url):
                 return Located(key, root, root.path + key[len(root.url) :])
@@ -331,6 +330,15 @@ def _normalise(path: str, raw: str) -> str:
     if ".." in path.split("/"):
         raise BadRequest("bad path", f"{raw!r} has a '..' segment: give the plain absolute path")
     return posixpath.normpath(path).replace("//", "/")
+
+
+def _url_key(raw: str) -> str:
+    """A URL as roots and paths on other filesystems are compared and recorded: its path
+    normalised, its authority as given. An empty authority stays empty (`hdfs:///wh` is
+    the default namenode's /wh, never a namenode called `wh`)."""
+    scheme, _, rest = raw.partition("://")
+    authority, _, path = rest.partition("/")
+    return f"{scheme}://{authority}{_normalise('/' + path, raw).rstrip('/')}"
 
 
 def _under(path: str, root: str) -> bool:

@@ -1,5 +1,6 @@
-"""Test-only JVM classes: `disk://`, a second Hadoop file system scheme over the local
-disk, standing for the object stores and HDFS that cannot run here."""
+"""`disk://`, a second Hadoop file system scheme over the local disk, standing for the
+object stores and HDFS that cannot run here: its Hadoop class (for the metastore and
+Spark) and, in `fsspec_disk/`, its fsspec twin (for the daemon)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from cmroot.jvm import cache_dir, pyspark_home
 
 SOURCE = Path(__file__).with_name("DiskFileSystem.java")
 DISK_FS = "io.cmroot.testfs.DiskFileSystem"
+# On a Python process's path, this directory registers `disk` with fsspec (an entry point).
+FSSPEC_DISK = Path(__file__).with_name("fsspec_disk")
 
 
 def disk_fs_jar() -> str:

@@ -63,11 +63,12 @@ class Hms:
 
 def start_hms(
     base: Path, *conf_args: str, site: dict[str, str] | None = None,
-    classpath: list[str] | None = None,
+    classpath: list[str] | None = None, daemon_env: dict[str, str] | None = None,
 ) -> Hms:
     """A daemon and a metastore running the plugin as `cmroot metastore-conf CONF_ARGS`
-    prints it; `site` and `classpath` add what the metastore needs besides (a file system)."""
-    daemon = Daemon(base).start()
+    prints it; `site` and `classpath` add what the metastore needs besides (a file system),
+    `daemon_env` what the daemon does (its roots, say)."""
+    daemon = Daemon(base, env=daemon_env).start()
     token = base / "plugin.token"
     token.write_text(daemon.tokens["write"] + "\n")
     token.chmod(0o600)

@@ -1,36 +1,39 @@
-"""A warehouse root on a file system other than the local one (an object store, HDFS;
-here `disk://`, a second Hadoop scheme over the local disk): the plugin cannot keep files
-there yet, so a drop that would delete data under it is refused, saying so, and changes
-nothing; drops under the local roots are kept as before, and fail-open lets them through."""
+"""A warehouse root on a file system other than the local one (an object store, HDFS; here
+`disk://`, a second Hadoop scheme over the local disk, which the daemon reads through its
+fsspec twin as it reads S3 through s3fs): drops through the metastore keep their files
+there as on a local root (the daemon copies each file into the store, then takes it away),
+record their events, and fail closed when the daemon cannot keep them."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.jvm import DISK_FS, disk_fs_jar
+from tests.jvm import DISK_FS, FSSPEC_DISK, disk_fs_jar
 from tests.metastore.conftest import Hms, start_hms
 from tests.metastore.test_metastore_plugin import COLUMNS, files_of, partitioned
 from tests.metastore.thrift_client import HmsClient, MetaException, NoSuchObjectException
+from tests.spark.sparklib import REPO
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def start(base: Path, *args: str) -> Hms:
-    lake = base / "lake"
-    lake.mkdir()
-    local = base / "warehouse"  # the daemon's warehouse root (tests.server.cmroot_daemon)
-    return start_hms(base, "--warehouse-root", str(local), "--warehouse-root",
-                     f"disk://{lake}", *args, site={"fs.disk.impl": DISK_FS},
-                     classpath=[disk_fs_jar()])
 
 
 @pytest.fixture(scope="module")
 def foreign(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hms]:
     pytest.importorskip("pyspark")
-    h = start(tmp_path_factory.mktemp("foreign"))
+    base = tmp_path_factory.mktemp("foreign")
+    lake = base / "lake"
+    lake.mkdir()
+    local = base / "warehouse"  # the daemon's own root (tests.server.cmroot_daemon)
+    roots = f"{local},disk://{lake}"
+    h = start_hms(
+        base, "--warehouse-root", str(local), "--warehouse-root", f"disk://{lake}",
+        site={"fs.disk.impl": DISK_FS}, classpath=[disk_fs_jar()],
+        daemon_env={"CMROOT_STORE_WAREHOUSE_ROOTS": roots,
+                    "PYTHONPATH": os.pathsep.join([str(REPO), str(FSSPEC_DISK)])})
     try:
         yield h
     finally:
@@ -38,41 +41,59 @@ def foreign(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hms]:
         h.daemon.stop()
 
 
-def on_disk(c: HmsClient, h: Hms, db: str) -> Path:
-    """A database and a partitioned managed table under the `disk://` root, a file in each
-    of two partitions and one in the table's directory."""
+def on_disk(c: HmsClient, h: Hms, db: str, parts: tuple[str, ...] = ("1", "2")) -> Path:
+    """A database and a managed table partitioned by p under the `disk://` root, a data
+    file in each partition."""
     lake = h.base / "lake"
     c.create_database(db, f"disk://{lake}/{db}.db")
     top = lake / f"{db}.db" / "t"
     c.create_table(db, "t", f"disk://{top}", COLUMNS, partition_keys=[("p", "string")],
                    file_format="text")
-    for v in ("1", "2"):
+    for v in parts:
         c.add_partition(db, "t", [v])
         (top / f"p={v}" / "data.txt").write_text(f"row of {v}\n")
     return top
 
 
-def test_drops_under_a_foreign_root_are_refused_and_change_nothing(foreign: Hms) -> None:
+def uri(path: str) -> str:
+    return f"disk://{path}"
+
+
+def test_drops_under_a_root_on_another_file_system_keep_their_files(foreign: Hms) -> None:
     with foreign.client() as c:
-        top = on_disk(c, foreign, "far")
+        top = on_disk(c, foreign, "far", ("1", "2", "3"))
         before = files_of(top)
         since = foreign.current()
-        for drop in (lambda: c.drop_partition("far", "t", ["1"]),
-                     lambda: c.drop_partitions("far", "t", ["p=1", "p=2"]),
-                     lambda: c.drop_table("far", "t"),
-                     lambda: c.drop_table("far", "t", purge=True)):
-            with pytest.raises(MetaException, match=r"cmroot refuses .* on a file system cmroot"
-                               r" cannot keep files of yet"):
-                drop()
-        assert c.list_partition_names("far", "t") == ["p=1", "p=2"]
-        with pytest.raises(MetaException, match="cmroot refuses DROP DATABASE far"):
-            c.drop_database("far", delete_data=True, cascade=False)
-        assert c.get_database("far").name == "far"
-        # What deletes nothing goes ahead: a drop that keeps the data.
-        c.drop_partition("far", "t", ["2"], delete_data=False)
-        assert c.list_partition_names("far", "t") == ["p=1"]
+        c.drop_partitions("far", "t", ["p=1", "p=2"])
+        assert c.list_partition_names("far", "t") == ["p=3"]
+        c.drop_table("far", "t", purge=True)
+        with pytest.raises(NoSuchObjectException):
+            c.get_table("far", "t")
+    assert files_of(top) == {}
+    events = foreign.events(since)
+    assert [(e["eventType"], e["partitions"], e["purge"]) for e in events] == [
+        ("DROP_PARTITION", [{"p": "1"}, {"p": "2"}], False), ("DROP_TABLE", [], True)]
+    kept = {f["path"]: f for e in events for f in e["files"]}
+    assert sorted(kept) == sorted(uri(p) for p in before)
+    for path, data in before.items():
+        assert foreign.served(uri(path), kept[uri(path)]["checksum"]) == data
+    assert events[1]["location"] == uri(str(top))
+
+
+def test_the_daemon_down_fails_a_drop_on_another_file_system(foreign: Hms) -> None:
+    with foreign.client() as c:
+        top = on_disk(c, foreign, "down")
+        before = files_of(top)
+        foreign.daemon.stop()
+        try:
+            with pytest.raises(MetaException, match="unreachable"):
+                c.drop_table("down", "t")
+            with pytest.raises(MetaException, match="unreachable"):
+                c.drop_partition("down", "t", ["1"])
+            assert c.list_partition_names("down", "t") == ["p=1", "p=2"]
+        finally:
+            foreign.daemon.start()
     assert files_of(top) == before
-    assert foreign.events(since) == []  # nothing there is kept, nor replicated
 
 
 def test_local_roots_are_kept_as_before(foreign: Hms) -> None:
@@ -81,22 +102,32 @@ def test_local_roots_are_kept_as_before(foreign: Hms) -> None:
         before = files_of(top)
         since = foreign.current()
         c.drop_table("near", "t")
-        with pytest.raises(NoSuchObjectException):
-            c.get_table("near", "t")
     (event,) = foreign.events(since)
     assert sorted(f["path"] for f in event["files"]) == sorted(before)
 
 
-def test_fail_open_drops_under_a_foreign_root_unkept(tmp_path: Path) -> None:
-    h = start(tmp_path, "--fail-open")
+def test_a_root_without_a_scheme_is_on_the_default_file_system(tmp_path: Path) -> None:
+    """hive.metastore.warehouse.dir=/user/hive/warehouse on an HDFS cluster is
+    hdfs://namenode/user/hive/warehouse: a root written without a scheme is on fs.defaultFS,
+    not on the local disk (every table would be outside it, dropped unkept)."""
+    lake = tmp_path / "lake"
+    lake.mkdir()
+    h = start_hms(
+        tmp_path, "--warehouse-root", str(lake),
+        site={"fs.disk.impl": DISK_FS, "fs.defaultFS": "disk:///"},
+        classpath=[disk_fs_jar()],
+        daemon_env={"CMROOT_STORE_WAREHOUSE_ROOTS": f"disk://{lake}",
+                    "PYTHONPATH": os.pathsep.join([str(REPO), str(FSSPEC_DISK)])})
     try:
         with h.client() as c:
-            top = on_disk(c, h, "open")
-            c.drop_table("open", "t")
-            with pytest.raises(NoSuchObjectException):
-                c.get_table("open", "t")
+            top = lake / "t"
+            c.create_table("default", "t", f"disk://{top}", COLUMNS, file_format="text")
+            (top / "data.txt").write_text("a row\n")
+            since = h.current()
+            c.drop_table("default", "t")
+        (event,) = h.events(since)
+        assert [f["path"] for f in event["files"]] == [uri(str(top / "data.txt"))]
         assert not top.exists()
-        assert "going ahead unprotected" in h.metastore.log.read_text()
     finally:
         h.metastore.stop()
         h.daemon.stop()

@@ -155,7 +155,7 @@ class RemoteSession(Session):
         try:
             if identity(fresh_info(self.fs, path)) != ident:
                 return False
-            self.fs.rm(path)
+            self.fs.rm_file(path)  # one path, as named: `rm` expands glob characters
         except FileNotFoundError:
             return False
         return True

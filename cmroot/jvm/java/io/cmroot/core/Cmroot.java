@@ -68,8 +68,8 @@ public final class Cmroot {
     public final List<String> roots;
     /**
      * The roots on another file system than the local one (s3a://, hdfs://...), as
-     * {@link #uriKey} spells them: the hooks cannot keep files there yet, so what would
-     * delete under them is refused (see {@link #refuseForeign}).
+     * {@link #uriKey} spells them (they are among `roots` too). The metastore plugin keeps
+     * drops there (the daemon moves the files); Spark's hook cannot yet, and refuses.
      */
     public final List<String> foreignRoots;
     /** Seconds a prepared recycle is held for its statement between renewals. */
@@ -137,6 +137,10 @@ public final class Cmroot {
     return v == null || v.isEmpty() ? dflt : v;
   }
 
+  // Roots on other file systems as Hadoop resolves them: asked once per spelling.
+  private static final Map<String, String> ROOTS =
+      new java.util.concurrent.ConcurrentHashMap<>();
+
   public static Settings settings(Configuration hconf) {
     String roots = conf(hconf, "warehouseRoots", null);
     boolean spark = AppConf.Registry.running();
@@ -146,16 +150,38 @@ public final class Cmroot {
     if (roots == null && !spark && hconf != null) {
       roots = hconf.get("spark.sql.warehouse.dir", hconf.get("hive.metastore.warehouse.dir"));
     }
+    // A root without a scheme is on the default file system, as Hadoop resolves it: on an
+    // HDFS cluster hive.metastore.warehouse.dir=/user/hive/warehouse is hdfs://nn/user/...,
+    // and taken for a local directory it would leave every table "outside the roots".
+    String dfs = hconf != null ? hconf.get("fs.defaultFS")
+        : spark ? AppConf.Registry.get("spark.hadoop.fs.defaultFS") : null;
+    boolean localDefault = dfs == null || dfs.trim().isEmpty() || dfs.trim().startsWith("file:");
     List<String> list = new ArrayList<>();
     List<String> foreign = new ArrayList<>();
     if (roots != null) {
-      for (String r : roots.split(",")) {
-        String p = localPath(r.trim());
+      for (String raw : roots.split(",")) {
+        String r = raw.trim();
+        if (r.isEmpty()) {
+          continue;
+        }
+        if (!localDefault && r.startsWith("/")) {
+          r = dfs.trim().replaceAll("/+$", "") + r;
+        }
+        String p = localPath(r);
         if (p != null && !p.isEmpty()) {
           list.add(p);
-        } else if (!r.trim().isEmpty()) {
-          foreign.add(uriKey(r.trim()));
+          continue;
         }
+        String key;
+        try {
+          key = hconf == null ? uriKey(r) : ROOTS.computeIfAbsent(r, k -> place(k, hconf));
+        } catch (RuntimeException e) {
+          throw new IllegalArgumentException("cmroot: the warehouse root " + r + " (cmroot."
+              + "warehouseRoots, else the warehouse directory) is neither a local path nor a"
+              + " URI: " + e.getMessage(), e);
+        }
+        foreign.add(key);
+        list.add(key);
       }
     }
     // No cmroot url anywhere: this application did not ask for cmroot (the file system may
@@ -281,39 +307,150 @@ public final class Cmroot {
     return scheme + auth + ("/".equals(path) ? "" : path);
   }
 
+  private static final String SCHEME = "^[a-zA-Z][a-zA-Z0-9+.-]*:.*";
+
   /**
-   * Refuse (throw) `what` when `location` is under a root on another file system than the
-   * local one, unless the settings fail open: cmroot keeps files on the local file system
-   * only, so a delete there would go ahead unkept. Null or local locations pass.
+   * A location as cmroot compares it and sends it to the daemon: a local path
+   * ({@link #localPath}), or on another file system its {@link #uriKey}; null if none.
    */
-  public static void refuseForeign(String location, Settings s, String what)
+  public static String place(String location) {
+    String local = localPath(location);
+    if (local != null || location == null || !location.matches(SCHEME)) {
+      return local;
+    }
+    try {
+      return uriKey(location);
+    } catch (RuntimeException e) {
+      return null; // not a URI: no place of ours
+    }
+  }
+
+  /**
+   * {@link #place}, with a location on another file system resolved through Hadoop first
+   * (`conf`'s file systems): a viewfs mount, or a name the file system qualifies (a default
+   * port), is placed where its files are, so that it is compared with the roots by what it
+   * is, not by how it was spelt.
+   */
+  public static String place(String location, Configuration conf) {
+    String placed = place(location);
+    if (placed == null || isLocal(placed) || conf == null) {
+      return placed;
+    }
+    try {
+      org.apache.hadoop.fs.Path p = new org.apache.hadoop.fs.Path(location);
+      org.apache.hadoop.fs.FileSystem fs = p.getFileSystem(conf);
+      org.apache.hadoop.fs.Path q;
+      try {
+        q = fs.resolvePath(p);
+      } catch (java.io.FileNotFoundException e) {
+        q = fs.makeQualified(p);
+      }
+      return uriKey(q.toString());
+    } catch (IOException | RuntimeException e) {
+      return placed; // no file system for it here: compared as spelt (and kept by none)
+    }
+  }
+
+  /**
+   * Refuse (throw) `what` at `place` when it is outside every root, yet under one by path
+   * with another scheme (s3:// and s3a://, say): the same files by another name, which the
+   * roots would not cover, so a drop there would go unkept.
+   */
+  public static void refuseAlias(String place, Settings s, String what)
       throws RecycleException {
-    if (location == null || !s.enabled || s.foreignRoots.isEmpty()
-        || localPath(location) != null || !location.matches("^[a-zA-Z][a-zA-Z0-9+.-]*:.*")) {
+    if (place == null || isLocal(place) || !s.enabled || protectedLocation(place, s)) {
       return;
     }
-    String key;
-    try {
-      key = uriKey(location);
-    } catch (RuntimeException e) {
-      key = location;
-    }
+    String rest = place.substring(place.indexOf("://") + 3);
     for (String root : s.foreignRoots) {
-      if (under(key, root) || under(root, key)) {
-        String msg = "cmroot refuses " + what + " " + location + ": it is under the warehouse"
-            + " root " + root + ", on a file system cmroot cannot keep files of yet (only the"
-            + " local file system, file:, is supported), so its data would be deleted unkept.";
-        if (s.failOpen) {
-          FAIL_OPEN_EVENTS.incrementAndGet();
-          LOG.error(msg + " cmroot.failOpen is set: going ahead unprotected");
-          return;
-        }
-        msg += " Nothing was dropped or deleted. Keep the warehouse on a local path, or set "
-            + "cmroot.failOpen=true to run these drops unprotected.";
+      String rootRest = root.substring(root.indexOf("://") + 3);
+      if (under(rest, rootRest) || under(rootRest, rest)) {
+        String msg = "cmroot refuses " + what + " " + place + ": it names the files of the "
+            + "warehouse root " + root + " by another file system scheme, so cmroot would "
+            + "not keep them. Nothing was dropped. Give tables locations spelt as the root "
+            + "is, or add this spelling to cmroot.warehouseRoots (and the daemon's roots).";
         LOG.error(msg);
         throw new RecycleException(msg, null);
       }
     }
+  }
+
+  /** Is this place (see {@link #place}) on the local file system? */
+  public static boolean isLocal(String place) {
+    return place.startsWith("/");
+  }
+
+  /** The Hadoop file system of a place on another file system, and its path there. */
+  private static org.apache.hadoop.fs.FileSystem fsOf(String place, Configuration conf)
+      throws IOException {
+    return new org.apache.hadoop.fs.Path(place).getFileSystem(
+        conf == null ? new Configuration() : conf);
+  }
+
+  /** {@link #holdsFiles(Path)} for a place on any file system. */
+  public static boolean holdsFiles(String place, Configuration conf) throws IOException {
+    if (isLocal(place)) {
+      return holdsFiles(Paths.get(place));
+    }
+    org.apache.hadoop.fs.Path p = new org.apache.hadoop.fs.Path(place);
+    try {
+      return fsOf(place, conf).listFiles(p, true).hasNext();
+    } catch (java.io.FileNotFoundException e) {
+      return false;
+    }
+  }
+
+  /** {@link #contents(String)} for a place on any file system. */
+  public static List<String> contents(String place, Configuration conf) throws IOException {
+    if (isLocal(place)) {
+      return contents(place);
+    }
+    List<String> out = new ArrayList<>();
+    org.apache.hadoop.fs.FileSystem fs = fsOf(place, conf);
+    try {
+      for (org.apache.hadoop.fs.FileStatus st : fs.listStatus(new org.apache.hadoop.fs.Path(place))) {
+        String child = uriKey(st.getPath().toString());
+        if (!st.isDirectory() || holdsFiles(child, conf)) {
+          out.add(child);
+        }
+      }
+    } catch (java.io.FileNotFoundException e) {
+      return out;
+    }
+    Collections.sort(out);
+    return out;
+  }
+
+  /** {@link #dataFiles(File, boolean, String)} for a place on any file system. */
+  public static List<String> dataFiles(String place, boolean recursive, String mark,
+      Configuration conf) throws IOException {
+    if (isLocal(place)) {
+      return dataFiles(new File(place), recursive, mark);
+    }
+    List<String> out = new ArrayList<>();
+    org.apache.hadoop.fs.FileStatus[] children;
+    try {
+      children = fsOf(place, conf).listStatus(new org.apache.hadoop.fs.Path(place));
+    } catch (java.io.FileNotFoundException e) {
+      return out;
+    }
+    for (org.apache.hadoop.fs.FileStatus st : children) {
+      String n = st.getPath().getName();
+      boolean isDir = st.isDirectory();
+      if (isHiddenName(n) && !(isDir && n.indexOf('=') > 1)) {
+        continue; // as dataFiles(File...) has it
+      }
+      String child = uriKey(st.getPath().toString());
+      if (isDir) {
+        if (recursive) {
+          out.addAll(dataFiles(child, true, mark, conf));
+        }
+      } else if (st.isFile() && (mark == null || n.contains(mark))) {
+        out.add(child);
+      }
+    }
+    Collections.sort(out);
+    return out;
   }
 
   public static boolean under(String path, String root) {
@@ -484,7 +621,7 @@ public final class Cmroot {
     if (path == null || !s.enabled) {
       return null;
     }
-    String target = real(Paths.get(path), true);
+    String target = isLocal(path) ? real(Paths.get(path), true) : path;
     for (String root : s.roots) {
       if (under(root, path) || under(root, target)) {
         return root;
@@ -500,7 +637,8 @@ public final class Cmroot {
   public static void refuseRootRemoval(String path, Settings s, String what)
       throws RecycleException {
     String root = rootWithin(path, s);
-    if (root != null && Files.exists(Paths.get(path), java.nio.file.LinkOption.NOFOLLOW_LINKS)) {
+    if (root != null && (!isLocal(path)
+        || Files.exists(Paths.get(path), java.nio.file.LinkOption.NOFOLLOW_LINKS))) {
       String msg = "cmroot refuses " + what + " " + path + ": "
           + (root.equals(path) ? "it is" : "it contains") + " the warehouse root " + root
           + ", which is never removed. Nothing was deleted. Delete the tables or files under "

@@ -18,6 +18,7 @@ public class CmrootEndFunctionListener extends MetaStoreEndFunctionListener {
 
   public CmrootEndFunctionListener(Configuration conf) {
     super(conf);
+    Drops.configure(conf);
   }
 
   @Override

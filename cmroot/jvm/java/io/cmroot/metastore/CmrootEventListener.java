@@ -1,7 +1,6 @@
 package io.cmroot.metastore;
 
 import io.cmroot.core.Cmroot;
-import java.io.File;
 import java.io.IOException;
 import java.util.ArrayList;
 import java.util.Arrays;
@@ -57,6 +56,7 @@ public class CmrootEventListener extends MetaStoreEventListener {
 
   public CmrootEventListener(Configuration conf) {
     super(conf);
+    Drops.configure(conf);
   }
 
   @Override
@@ -67,7 +67,7 @@ public class CmrootEventListener extends MetaStoreEventListener {
     }
     Database d = e.getDatabase();
     Map<String, Object> body = event("CREATE_DATABASE", d.getName(), null);
-    String loc = Cmroot.localPath(d.getLocationUri());
+    String loc = Drops.place(d.getLocationUri());
     if (Cmroot.protectedLocation(loc, s)) {
       body.put("location", loc);
     }
@@ -102,7 +102,7 @@ public class CmrootEventListener extends MetaStoreEventListener {
     // now on: a replica needs those files. A CTAS's own files follow in its INSERT; a
     // partitioned table's data arrives with its partitions (ADD_PARTITION lists theirs).
     boolean adopts = insert == null && t.getPartitionKeysSize() == 0;
-    record(body, s, "table " + name(t), adopts ? () -> files(loc, s) : null);
+    record(body, s, "table " + name(t), adopts ? () -> files(loc, s, getConf()) : null);
     if (insert != null) {
       record(insert, s, "the data written by CREATE TABLE " + name(t) + " AS SELECT");
     }
@@ -140,7 +140,7 @@ public class CmrootEventListener extends MetaStoreEventListener {
     // replica takes the table from this event alone, so the event carries all its files.
     boolean crossDb = !old.getDbName().equalsIgnoreCase(t.getDbName());
     record(body, s, "the change of table " + name(old),
-        moved ? () -> flat ? files(loc, s) : Collections.<String>emptyList() : crossDb ? () -> files(loc, s) : null);
+        moved ? () -> flat ? files(loc, s, getConf()) : Collections.<String>emptyList() : crossDb ? () -> files(loc, s, getConf()) : null);
   }
 
   /**
@@ -174,7 +174,7 @@ public class CmrootEventListener extends MetaStoreEventListener {
       record(add, s, what, () -> {
         String dir = st == null ? now : st.renamedLocation(key);
         add.put("partitionLocations", places(Collections.singletonList(String.valueOf(dir)), s));
-        return files(dir, s);
+        return files(dir, s, getConf());
       });
       Map<String, Object> drop = event("DROP_PARTITION", t.getDbName(), t.getTableName());
       drop.put("location", loc);
@@ -192,14 +192,19 @@ public class CmrootEventListener extends MetaStoreEventListener {
       body.put("partitionLocations", places(Collections.singletonList(String.valueOf(now)), s));
       body.put("tableObj", Cmroot.tableMap(t));
       record(body, s, "the new location of partition " + after.getValues() + " of " + name(t),
-          () -> files(now, s));
+          () -> files(now, s, getConf()));
     }
   }
 
   /** The data files under `dir`, if it is under the warehouse roots; else none. */
-  private static List<String> files(String dir, Cmroot.Settings s) {
-    return Cmroot.protectedLocation(dir, s) ? Cmroot.dataFiles(new File(dir), true, null)
-        : Collections.<String>emptyList();
+  private static List<String> files(String dir, Cmroot.Settings s,
+      org.apache.hadoop.conf.Configuration conf) {
+    try {
+      return Cmroot.protectedLocation(dir, s) ? Cmroot.dataFiles(dir, true, null, conf)
+          : Collections.<String>emptyList();
+    } catch (IOException e) {
+      throw new java.io.UncheckedIOException(e); // out of record()'s Supplier: see there
+    }
   }
 
   /** Each of `dirs` if it is under the warehouse roots; else null (nothing recorded there). */
@@ -229,7 +234,7 @@ public class CmrootEventListener extends MetaStoreEventListener {
       String dir = Drops.location(t, p);
       dirs.add(String.valueOf(dir));
       if (Cmroot.protectedLocation(dir, s)) {
-        files.addAll(Cmroot.dataFiles(new File(dir), true, null));
+        files.addAll(files(dir, s, getConf()));
       }
     }
     if (parts.isEmpty()) {
@@ -340,7 +345,11 @@ public class CmrootEventListener extends MetaStoreEventListener {
       java.util.function.Supplier<List<String>> files) throws MetaException {
     Statement.Action add = () -> {
       if (files != null) {
-        body.put("files", Cmroot.fileRefs(files.get()));
+        try {
+          body.put("files", Cmroot.fileRefs(files.get()));
+        } catch (java.io.UncheckedIOException u) {
+          throw u.getCause(); // a listing that failed: the event is not recorded, saying why
+        }
       }
       Cmroot.addEvent(body, s, what);
     };
@@ -359,7 +368,7 @@ public class CmrootEventListener extends MetaStoreEventListener {
   }
 
   private static String location(Table t) {
-    return t.getSd() == null ? null : Cmroot.localPath(t.getSd().getLocation());
+    return Drops.location(t);
   }
 
   private static String name(Table t) {

@@ -1,7 +1,6 @@
 package io.cmroot.metastore;
 
 import io.cmroot.core.Cmroot;
-import java.io.File;
 import java.util.ArrayList;
 import java.util.Iterator;
 import java.util.List;
@@ -33,17 +32,13 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
 
   public CmrootPreEventListener(Configuration conf) {
     super(conf);
+    Drops.configure(conf);
     Cmroot.Settings s = Drops.settings(conf);
-    if (s.enabled && !s.foreignRoots.isEmpty()) {
-      Cmroot.LOG.error("cmroot: the warehouse roots {} are not on the local filesystem, where"
-          + " alone this version keeps files: drops of data under them are refused{}",
-          s.foreignRoots, s.failOpen ? " (cmroot.failOpen: no, run unprotected)" : "");
-    }
     if (s.enabled && s.roots.isEmpty()) {
       // Every location is then outside the roots: drops would go ahead unkept, silently.
-      Cmroot.LOG.error("cmroot: no warehouse root on the local filesystem (cmroot.warehouseRoots"
-          + " or hive.metastore.warehouse.dir = {}): the plugin keeps nothing. This version "
-          + "protects file: warehouses; set cmroot.warehouseRoots to the local directories",
+      Cmroot.LOG.error("cmroot: no warehouse root (cmroot.warehouseRoots or "
+          + "hive.metastore.warehouse.dir = {}): the plugin keeps nothing; set "
+          + "cmroot.warehouseRoots to the warehouse directories",
           conf.get("hive.metastore.warehouse.dir"));
     } else if (s.enabled) {
       Cmroot.LOG.info("cmroot: the metastore plugin keeps the drops under {} at {}", s.roots,
@@ -73,16 +68,16 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
           Iterator<Partition> it = e.getPartitionIterator();
           while (it.hasNext()) {
             Partition p = it.next();
-            String what = "the drop of partition " + p.getValues() + " of " + Drops.name(t)
-                + " located at";
-            Cmroot.refuseForeign(Drops.rawLocation(p.getSd()), s, what);
-            Cmroot.refuseRootRemoval(Drops.location(t, p), s, "the drop of partition "
+            String dir = Drops.location(t, p);
+            Cmroot.refuseAlias(dir, s, "the drop of partition " + p.getValues() + " of "
+                + Drops.name(t) + " located at");
+            Cmroot.refuseRootRemoval(dir, s, "the drop of partition "
                 + p.getValues() + " of " + Drops.name(t) + " located at");
             Call.get().planPartitionDrop(t, p);
           }
         }
       }
-    } catch (Cmroot.RecycleException ex) {
+    } catch (java.io.IOException ex) { // a refusal (RecycleException), or a listing failed
       throw Drops.metaException(ex);
     } catch (RuntimeException ex) {
       throw Drops.metaException(ex); // a bad setting: refuse rather than delete unprotected
@@ -98,10 +93,10 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
    * reach here with an empty database.
    */
   private void dropDatabase(Database d, PreEventContext event)
-      throws Cmroot.RecycleException, MetaException {
+      throws java.io.IOException, MetaException {
     Cmroot.Settings s = Drops.settings(getConf());
-    String loc = Cmroot.localPath(d.getLocationUri());
-    Cmroot.refuseForeign(d.getLocationUri(), s, "DROP DATABASE " + d.getName() + " located at");
+    String loc = Drops.place(d.getLocationUri());
+    Cmroot.refuseAlias(loc, s, "DROP DATABASE " + d.getName() + " located at");
     Cmroot.refuseRootRemoval(loc, s, "DROP DATABASE " + d.getName() + " located at");
     if (!s.enabled) {
       return;
@@ -116,7 +111,7 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
           + "database from Spark or Hive, whose clients do so.");
     }
     if (Cmroot.protectedLocation(loc, s)) {
-      List<String> left = Cmroot.dataFiles(new File(loc), true, null);
+      List<String> left = Cmroot.dataFiles(loc, true, null, getConf());
       if (!left.isEmpty()) {
         throw new MetaException("cmroot refuses DROP DATABASE " + d.getName() + ": its "
             + "directory " + loc + " still holds data files (" + left.get(0)
@@ -132,8 +127,7 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
       throws Cmroot.RecycleException, MetaException {
     Cmroot.Settings s = Drops.settings(getConf());
     String loc = Drops.location(t);
-    Cmroot.refuseForeign(Drops.rawLocation(t.getSd()), s, "DROP TABLE " + Drops.name(t)
-        + " located at");
+    Cmroot.refuseAlias(loc, s, "DROP TABLE " + Drops.name(t) + " located at");
     Cmroot.refuseRootRemoval(loc, s, "DROP TABLE " + Drops.name(t) + " located at");
     if (!s.enabled) {
       return;
@@ -144,9 +138,9 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
       return;
     }
     for (Partition p : Drops.partitions(event, t)) {
-      Cmroot.refuseForeign(Drops.rawLocation(p.getSd()), s, "DROP TABLE " + Drops.name(t)
-          + ", whose partition " + p.getValues() + " is located at");
       String dir = Drops.location(t, p);
+      Cmroot.refuseAlias(dir, s, "DROP TABLE " + Drops.name(t) + ", whose partition "
+          + p.getValues() + " is located at");
       if (dir != null && (loc == null || !Cmroot.under(dir, loc))) {
         Cmroot.refuseRootRemoval(dir, s, "DROP TABLE " + Drops.name(t) + ", whose partition "
             + p.getValues() + " is located at");

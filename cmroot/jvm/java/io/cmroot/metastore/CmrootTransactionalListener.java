@@ -1,7 +1,6 @@
 package io.cmroot.metastore;
 
 import io.cmroot.core.Cmroot;
-import java.io.File;
 import java.io.IOException;
 import java.util.ArrayList;
 import java.util.Collections;
@@ -38,6 +37,7 @@ public class CmrootTransactionalListener extends MetaStoreEventListener {
 
   public CmrootTransactionalListener(Configuration conf) {
     super(conf);
+    Drops.configure(conf);
   }
 
   @Override
@@ -115,7 +115,7 @@ public class CmrootTransactionalListener extends MetaStoreEventListener {
       Cmroot.refuseRootRemoval(dir, s, "the drop of partition " + p.getValues() + " of "
           + Drops.name(t) + " located at");
       if (dir == null || !Cmroot.protectedLocation(dir, s)
-          || !Cmroot.holdsFiles(new File(dir).toPath())) {
+          || !Cmroot.holdsFiles(dir, getConf())) {
         continue; // nothing to keep: its drop is recorded without files
       }
       dirs.add(dir);

@@ -20,8 +20,23 @@ import org.apache.hadoop.hive.metastore.events.PreEventContext;
 public final class Drops {
   private Drops() {}
 
+  // The metastore's Hadoop configuration, as its listeners are given it: the file systems
+  // locations on other schemes are resolved through (see Cmroot.place). Static because the
+  // catalog objects' locations are read in many places that have no listener at hand.
+  private static volatile Configuration hadoop;
+
   static Cmroot.Settings settings(Configuration conf) {
     return Cmroot.settings(conf);
+  }
+
+  /** Remember the metastore's configuration (each listener does, when constructed). */
+  static void configure(Configuration conf) {
+    hadoop = conf;
+  }
+
+  /** A location placed as cmroot compares it, resolved through the metastore's Hadoop. */
+  static String place(String location) {
+    return Cmroot.place(location, hadoop);
   }
 
   /** The key of a drop (a table, or one of its partitions by values) within a call. */
@@ -56,13 +71,9 @@ public final class Drops {
     return !"EXTERNAL_TABLE".equals(t.getTableType()) && !"TRUE".equalsIgnoreCase(ext);
   }
 
-  /** A storage descriptor's location as the metastore holds it (any scheme), or null. */
-  static String rawLocation(org.apache.hadoop.hive.metastore.api.StorageDescriptor sd) {
-    return sd == null ? null : sd.getLocation();
-  }
-
+  /** The table's directory as cmroot places it ({@link Cmroot#place}), or null. */
   static String location(Table t) {
-    return t.getSd() == null ? null : Cmroot.localPath(t.getSd().getLocation());
+    return t.getSd() == null ? null : place(t.getSd().getLocation());
   }
 
   /**
@@ -76,6 +87,10 @@ public final class Drops {
       return null;
     }
     String loc = p.getSd().getLocation();
+    String placed = place(loc);
+    if (placed != null && !Cmroot.isLocal(placed)) {
+      return placed; // another file system: read as Hadoop reads it, one spelling
+    }
     String tableDir = location(t);
     if (tableDir != null && p.getValues() != null) {
       try {

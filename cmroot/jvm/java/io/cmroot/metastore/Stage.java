@@ -3,7 +3,6 @@ package io.cmroot.metastore;
 import io.cmroot.core.Cmroot;
 import io.cmroot.core.CmrootFaults;
 import io.cmroot.core.CmrootTransaction;
-import java.io.File;
 import java.io.IOException;
 import java.util.ArrayList;
 import java.util.List;
@@ -27,8 +26,8 @@ final class Stage {
     List<String> reached = new ArrayList<>();
     for (String dir : dirs) {
       Cmroot.refuseRootRemoval(dir, s, "the drop of " + what + " located at");
-      if (Cmroot.protectedLocation(dir, s) && Cmroot.holdsFiles(new File(dir).toPath())) {
-        paths.addAll(Cmroot.contents(dir));
+      if (Cmroot.protectedLocation(dir, s) && Cmroot.holdsFiles(dir, conf)) {
+        paths.addAll(Cmroot.contents(dir, conf));
         if (outside.contains(dir)) {
           reached.add(dir);
         }
