@@ -114,7 +114,7 @@ class Destination:
 
     def with_args(self) -> list[str]:
         out = []
-        for k, v in spark_settings(self.base, self.warehouse).items():
+        for k, v in spark_settings(self.base, self.warehouse, short_lived=True).items():
             out += ["--with", f"{k}={v}"]
         return out
 

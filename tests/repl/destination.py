@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import Any
 
 
-def _session(base: Path) -> Any:
+def _session(base: Path, short_lived: bool) -> Any:
     from cmroot.repl.session import session
     from tests.spark.sparklib import spark_settings
 
-    spark = session("cmroot-test-destination", spark_settings(base, base / "warehouse"))
+    conf = spark_settings(base, base / "warehouse", short_lived)
+    spark = session("cmroot-test-destination", conf)
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 
@@ -82,7 +83,7 @@ def main(plan_path: str) -> int:
     for path, size in plan.get("decoys", {}).items():
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_bytes(bytes(size))
-    spark = _session(base)
+    spark = _session(base, short_lived=True)  # one plan, then gone
     answers = run_steps(spark, base, plan["steps"])
     spark.stop()
     print(json.dumps(answers, default=str))
@@ -94,7 +95,7 @@ def serve(base: Path) -> int:
     answer per line on stdout ({"answers": [...]} or {"crash": traceback})."""
     import traceback
 
-    spark = _session(base)
+    spark = _session(base, short_lived=False)  # the many plans of a package
     out = sys.stdout
     sys.stdout = sys.stderr  # whatever else prints must not mix with the answers
     for line in sys.stdin:

@@ -196,17 +196,26 @@ def shim_log(spark: Any) -> Iterator[Any]:
         appender.stop()
 
 
-def spark_settings(base: Path, warehouse: Path) -> dict[str, str]:
+# JVM options for a driver that lives for one command (a destination's `cmroot repl`, a
+# plan of tests/repl/destination.py): its time goes to starting up, and on 2 cores the C2
+# compiler and a parallel collector cost more CPU there than they win back. Semantics are
+# the JVM's either way.
+SHORT_LIVED_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+
+
+def spark_settings(base: Path, warehouse: Path, short_lived: bool = False) -> dict[str, str]:
     """local[2], an embedded Derby metastore and scratch dirs under `base`: as Spark conf,
-    for a builder here or `--with` options of a `cmroot repl` subprocess."""
+    for a builder here or `--with` options of a `cmroot repl` subprocess; `short_lived`
+    adds SHORT_LIVED_JVM to the driver's JVM options."""
     derby = base / "derby"
     derby.mkdir(parents=True, exist_ok=True)
+    java = f"-Dderby.system.home={derby}" + (f" {SHORT_LIVED_JVM}" if short_lived else "")
     return {
         "spark.master": "local[2]",
         "spark.sql.warehouse.dir": str(warehouse),
         "spark.hadoop.javax.jdo.option.ConnectionURL":
             f"jdbc:derby:;databaseName={base}/metastore_db;create=true",
-        "spark.driver.extraJavaOptions": f"-Dderby.system.home={derby}",
+        "spark.driver.extraJavaOptions": java,
         "spark.hadoop.hive.exec.scratchdir": str(base / "hive-scratch"),
         "spark.local.dir": str(base / "spark-local"),
         "spark.ui.enabled": "false",
