@@ -73,6 +73,15 @@ def test_spark_conf_refuses_a_unix_socket_url(tmp_path: Path) -> None:
     one_line_error(cmroot("--config", str(cfg), "spark-conf", "--url", url), 1, "http://")
 
 
+@pytest.mark.parametrize("root", ["disk:", "warehouse/relative", "s3a:bucket"])
+def test_metastore_conf_refuses_a_root_that_names_no_directory(tmp_path: Path, root: str) -> None:
+    """A typo'd root would reach the plugin, which then refuses every drop: refused here,
+    before the metastore is configured with it."""
+    cfg = local_config(tmp_path)
+    one_line_error(cmroot("--config", str(cfg), "metastore-conf", "--url", "http://h:9750",
+                          "--warehouse-root", root), 1, "--warehouse-root", root)
+
+
 def test_recycle_without_op_moves_nothing(tmp_path: Path) -> None:
     cfg = local_config(tmp_path)
     write_files(tmp_path / "wh", {"t/f": b"x"})

@@ -137,9 +137,25 @@ public final class Cmroot {
     return v == null || v.isEmpty() ? dflt : v;
   }
 
-  // Roots on other file systems as Hadoop resolves them: asked once per spelling.
+  // Roots on other file systems as Hadoop resolves them: asked until they exist, then kept.
   private static final Map<String, String> ROOTS =
       new java.util.concurrent.ConcurrentHashMap<>();
+
+  /** A root on another file system as Hadoop resolves it; kept once resolved whole. */
+  private static String root(String spelt, Configuration hconf) {
+    String known = ROOTS.get(spelt);
+    if (known != null) {
+      return known;
+    }
+    String[] placed = resolved(spelt, hconf);
+    if (placed == null) {
+      return null;
+    }
+    if (placed[1] != null) {
+      ROOTS.put(spelt, placed[0]); // a root made later is asked again until it exists
+    }
+    return placed[0];
+  }
 
   public static Settings settings(Configuration hconf) {
     String roots = conf(hconf, "warehouseRoots", null);
@@ -174,11 +190,14 @@ public final class Cmroot {
         }
         String key;
         try {
-          key = hconf == null ? uriKey(r) : ROOTS.computeIfAbsent(r, k -> place(k, hconf));
+          key = hconf == null ? uriKey(r) : root(r, hconf);
         } catch (RuntimeException e) {
+          key = null;
+        }
+        if (key == null) {
           throw new IllegalArgumentException("cmroot: the warehouse root " + r + " (cmroot."
               + "warehouseRoots, else the warehouse directory) is neither a local path nor a"
-              + " URI: " + e.getMessage(), e);
+              + " URI of a file system: correct it and restart");
         }
         foreign.add(key);
         list.add(key);
@@ -332,22 +351,41 @@ public final class Cmroot {
    * is, not by how it was spelt.
    */
   public static String place(String location, Configuration conf) {
+    String[] placed = resolved(location, conf);
+    return placed == null ? null : placed[0];
+  }
+
+  /**
+   * {placed, whether it was resolved whole}, or null (no place): a path that does not exist
+   * (a root not made yet, a directory the metastore just deleted) is resolved through its
+   * nearest existing parent, its missing names appended; only an existing one is resolved
+   * whole (a viewfs mount whose target is missing stays as spelt).
+   */
+  private static String[] resolved(String location, Configuration conf) {
     String placed = place(location);
     if (placed == null || isLocal(placed) || conf == null) {
-      return placed;
+      return placed == null ? null : new String[] {placed, "whole"};
     }
     try {
       org.apache.hadoop.fs.Path p = new org.apache.hadoop.fs.Path(location);
       org.apache.hadoop.fs.FileSystem fs = p.getFileSystem(conf);
-      org.apache.hadoop.fs.Path q;
-      try {
-        q = fs.resolvePath(p);
-      } catch (java.io.FileNotFoundException e) {
-        q = fs.makeQualified(p);
+      List<String> missing = new ArrayList<>();
+      for (org.apache.hadoop.fs.Path q = fs.makeQualified(p); q != null; q = q.getParent()) {
+        org.apache.hadoop.fs.Path r;
+        try {
+          r = fs.resolvePath(q);
+        } catch (java.io.FileNotFoundException e) {
+          missing.add(0, q.getName());
+          continue;
+        }
+        for (String name : missing) {
+          r = new org.apache.hadoop.fs.Path(r, name);
+        }
+        return new String[] {uriKey(r.toString()), missing.isEmpty() ? "whole" : null};
       }
-      return uriKey(q.toString());
+      return new String[] {uriKey(fs.makeQualified(p).toString()), null};
     } catch (IOException | RuntimeException e) {
-      return placed; // no file system for it here: compared as spelt (and kept by none)
+      return new String[] {placed, null}; // no file system for it here: compared as spelt
     }
   }
 
