@@ -14,7 +14,6 @@ import errno
 import json
 import logging
 import os
-import re
 import signal
 import stat
 import sys
@@ -44,8 +43,6 @@ from cmroot.store.recycle import RecycleResult
 from cmroot.vocab import DESTRUCTIVE
 
 _OPS = ", ".join(sorted(DESTRUCTIVE))
-# A warehouse root: an absolute path, or a URL whose path names a directory.
-_ROOT = re.compile(r"^(/|[A-Za-z][A-Za-z0-9+.-]*:(//[^/]*)?/.)")
 
 log = logging.getLogger("cmroot.cli")
 
@@ -734,11 +731,7 @@ def _metastore_conf(args: argparse.Namespace) -> int:
             "metastore's user); the plugin reads it at each call",
         )
     for root in args.warehouse_root or []:
-        if not _ROOT.match(root):
-            raise ConfigError(
-                f"--warehouse-root {root!r} is neither an absolute path nor a URL with one",
-                "give a directory like /data/warehouse or s3a://bucket/warehouse",
-            )
+        cfg.absolute_root(root, "--warehouse-root")  # as the daemon's own roots are checked
     token = None if token_file else args.token
     out = metastore.metastore_conf(
         url, token, token_file=token_file, fail_open=args.fail_open,

@@ -238,13 +238,13 @@ def _build(raw: dict[str, dict[str, Any]], source: str) -> Config:
                 )
     s = raw["store"]
     defaults = StoreConfig()
-    root = _abs_root(s.get("root", defaults.root), "store.root")
+    root = absolute_root(s.get("root", defaults.root), "store.root")
     roots = s.get("warehouse_roots", list(defaults.warehouse_roots))
     if isinstance(roots, str):
         roots = [roots]
     if not roots:
         raise ConfigError("store.warehouse_roots is empty", "list at least one warehouse directory")
-    warehouse = tuple(_abs_root(r, "store.warehouse_roots") for r in roots)
+    warehouse = tuple(absolute_root(r, "store.warehouse_roots") for r in roots)
     for w in warehouse:
         if _inside(root, w) or _inside(w, root):
             raise ConfigError(
@@ -378,7 +378,9 @@ def local_path(url_or_path: str) -> str | None:
     return url_or_path
 
 
-def _abs_root(value: str, key: str) -> str:
+def absolute_root(value: str, key: str) -> str:
+    """`value` as a warehouse root (an absolute path, normalised, or a URL); ConfigError,
+    naming `key`, otherwise."""
     if not isinstance(value, str) or not value:
         raise ConfigError(f"bad value for {key}", "write an absolute path or an fsspec URL")
     local = local_path(value)

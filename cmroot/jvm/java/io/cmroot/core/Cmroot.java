@@ -475,8 +475,8 @@ public final class Cmroot {
     for (org.apache.hadoop.fs.FileStatus st : children) {
       String n = st.getPath().getName();
       boolean isDir = st.isDirectory();
-      if (isHiddenName(n) && !(isDir && n.indexOf('=') > 1)) {
-        continue; // as dataFiles(File...) has it
+      if (notData(n, isDir)) {
+        continue;
       }
       String child = uriKey(st.getPath().toString());
       if (isDir) {
@@ -581,6 +581,15 @@ public final class Cmroot {
    * The data files in `dir` (and below it when `recursive`), sorted: no temporary or hidden
    * names, and only names containing `mark` when it is not null.
    */
+  /**
+   * Is this entry of a data directory none of its data? Spark's and Hive's staging names
+   * are all hidden ones, none with a '='. As Spark's file index has it, a directory
+   * `_src=1` or `.p=1` is a partition all the same.
+   */
+  private static boolean notData(String name, boolean isDir) {
+    return isHiddenName(name) && !(isDir && name.indexOf('=') > 1);
+  }
+
   public static List<String> dataFiles(File dir, boolean recursive, String mark) {
     List<String> out = new ArrayList<>();
     File[] children = dir.listFiles();
@@ -590,9 +599,7 @@ public final class Cmroot {
     for (File f : children) {
       String n = f.getName();
       boolean isDir = f.isDirectory();
-      // Spark's and Hive's staging names are all hidden ones, none with a '='. As Spark's
-      // file index has it, a directory `_src=1` or `.p=1` is a partition all the same.
-      if (isHiddenName(n) && !(isDir && n.indexOf('=') > 1)) {
+      if (notData(n, isDir)) {
         continue;
       }
       if (isDir) {

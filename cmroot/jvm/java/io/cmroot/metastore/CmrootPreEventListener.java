@@ -68,11 +68,8 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
           Iterator<Partition> it = e.getPartitionIterator();
           while (it.hasNext()) {
             Partition p = it.next();
-            String dir = Drops.location(t, p);
-            Cmroot.refuseAlias(dir, s, "the drop of partition " + p.getValues() + " of "
+            refuse(Drops.location(t, p), s, "the drop of partition " + p.getValues() + " of "
                 + Drops.name(t) + " located at");
-            Cmroot.refuseRootRemoval(dir, s, "the drop of partition "
-                + p.getValues() + " of " + Drops.name(t) + " located at");
             Call.get().planPartitionDrop(t, p);
           }
         }
@@ -82,6 +79,16 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
     } catch (RuntimeException ex) {
       throw Drops.metaException(ex); // a bad setting: refuse rather than delete unprotected
     }
+  }
+
+  /**
+   * Refuse the drop of `place` when it deletes a warehouse root (or a directory holding
+   * one), or names a root's files by another scheme, which the roots would not cover.
+   */
+  private static void refuse(String place, Cmroot.Settings s, String what)
+      throws Cmroot.RecycleException {
+    Cmroot.refuseAlias(place, s, what);
+    Cmroot.refuseRootRemoval(place, s, what);
   }
 
   /**
@@ -96,8 +103,7 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
       throws java.io.IOException, MetaException {
     Cmroot.Settings s = Drops.settings(getConf());
     String loc = Drops.place(d.getLocationUri());
-    Cmroot.refuseAlias(loc, s, "DROP DATABASE " + d.getName() + " located at");
-    Cmroot.refuseRootRemoval(loc, s, "DROP DATABASE " + d.getName() + " located at");
+    refuse(loc, s, "DROP DATABASE " + d.getName() + " located at");
     if (!s.enabled) {
       return;
     }
@@ -127,8 +133,7 @@ public class CmrootPreEventListener extends MetaStorePreEventListener {
       throws Cmroot.RecycleException, MetaException {
     Cmroot.Settings s = Drops.settings(getConf());
     String loc = Drops.location(t);
-    Cmroot.refuseAlias(loc, s, "DROP TABLE " + Drops.name(t) + " located at");
-    Cmroot.refuseRootRemoval(loc, s, "DROP TABLE " + Drops.name(t) + " located at");
+    refuse(loc, s, "DROP TABLE " + Drops.name(t) + " located at");
     if (!s.enabled) {
       return;
     }
