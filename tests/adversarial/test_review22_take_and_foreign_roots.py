@@ -29,6 +29,7 @@ from cmroot import checksum as cks
 from cmroot import faults
 from cmroot.exceptions import CmrootError, NotFound
 from cmroot.store import RecycleRequest
+from tests.adversarial.fsspeclib import attempt
 
 # -- part 1: Method.TAKE ----------------------------------------------------------------
 
@@ -50,14 +51,6 @@ def _race_at(
 
     monkeypatch.setattr(faults, "point", point)
     return state
-
-
-def _attempt(call: Callable[[], object]) -> BaseException | None:
-    try:
-        call()
-    except Exception as e:
-        return e
-    return None
 
 
 def _retrievable(wh: RemoteWarehouse, rel: str, data: bytes) -> bool:
@@ -84,6 +77,22 @@ def _in_place_or_kept(wh: RemoteWarehouse, files: dict[str, bytes]) -> list[str]
 def _disarm() -> Iterator[None]:
     yield
     faults.disarm()
+
+
+def _die_mid_copy(wh: RemoteWarehouse, data: bytes) -> None:
+    """db/t/part-0 holds `data`; a prepare of DROP_TABLE db/t dies while copying it: the
+    transaction is open, nothing journaled as copied, and its staged file holds the first
+    1000 bytes (what a death mid-copy leaves)."""
+    wh.write("db/t/part-0", data)
+    faults.arm("recycle.file_staged", 1, crash=True)
+    with pytest.raises(faults.Crash):
+        wh.store.prepare(RecycleRequest([wh.url("db/t")], op="DROP_TABLE"))
+    faults.disarm()
+    [txid] = wh.store.index.pending_txids()
+    staged = wh.store.layout.staged_path(txid, 0)
+    os.makedirs(os.path.dirname(staged), exist_ok=True)
+    with open(staged, "wb") as f:
+        f.write(data[:1000])
 
 
 class TakeAttacks:
@@ -138,7 +147,7 @@ class TakeAttacks:
         wh.store.recycler.workers = 1
         state = _race_at(monkeypatch, "recycle.copy_journaled",
                          lambda: wh.fs.rm(wh.path("db/t/part-0")))
-        err = _attempt(lambda: wh.store.recycle(
+        err = attempt(lambda: wh.store.recycle(
             RecycleRequest([wh.url("db/t")], op="DROP_TABLE")))
         assert state["raced"] == 1
         assert isinstance(err, CmrootError)
@@ -159,16 +168,7 @@ class TakeAttacks:
         copy to db/t/part-0: a corrupt file served at the table's path. Cause:
         cmroot/store/journal.py observe (sets it.checksum) + _undo (tests it after)."""
         data = os.urandom(4096)
-        wh.write("db/t/part-0", data)
-        faults.arm("recycle.file_staged", 1, crash=True)
-        with pytest.raises(faults.Crash):
-            wh.store.prepare(RecycleRequest([wh.url("db/t")], op="DROP_TABLE"))
-        faults.disarm()
-        [txid] = wh.store.index.pending_txids()
-        staged = wh.store.layout.staged_path(txid, 0)
-        os.makedirs(os.path.dirname(staged), exist_ok=True)
-        with open(staged, "wb") as f:  # what a death mid-copy leaves
-            f.write(data[:1000])
+        _die_mid_copy(wh, data)
         wh.fs.rm(wh.path("db/t/part-0"))
         with reopen(wh) as store:
             assert store.index.current_event_id() == 0
@@ -185,16 +185,7 @@ class TakeAttacks:
         Recovery.displaced reports a writer re-creation that never happened. Expected:
         the incomplete copy is dropped (the source never left). Cause: as above."""
         data = os.urandom(4096)
-        wh.write("db/t/part-0", data)
-        faults.arm("recycle.file_staged", 1, crash=True)
-        with pytest.raises(faults.Crash):
-            wh.store.prepare(RecycleRequest([wh.url("db/t")], op="DROP_TABLE"))
-        faults.disarm()
-        [txid] = wh.store.index.pending_txids()
-        staged = wh.store.layout.staged_path(txid, 0)
-        os.makedirs(os.path.dirname(staged), exist_ok=True)
-        with open(staged, "wb") as f:
-            f.write(data[:1000])
+        _die_mid_copy(wh, data)
         with reopen(wh) as store:
             assert wh.read("db/t/part-0") == data
             assert store.recovery.displaced == []
@@ -257,7 +248,7 @@ class TakeAttacks:
         wh.store.recycler.clock = lambda: later
         assert wh.store.expire_prepared() == 1
         assert wh.read("db/t/f") == b"leased"
-        assert isinstance(_attempt(lambda: wh.store.commit(p.txid)), CmrootError)
+        assert isinstance(attempt(lambda: wh.store.commit(p.txid)), CmrootError)
         assert wh.store.index.current_event_id() == 0
 
     def test_guard_a_crash_in_the_rollback_is_finished_by_recovery_twice(
@@ -320,20 +311,12 @@ def _start_hms(base: Path) -> object:
     metastore's Hadoop configuration also mounts that lake under viewfs://cl/alias (a
     second name of the same directory: what viewfs federation, s3:// beside s3a://, or a
     NameNode named by host and by nameservice are in production)."""
-    from tests.jvm import DISK_FS, FSSPEC_DISK, disk_fs_jar
-    from tests.metastore.conftest import start_hms
-    from tests.spark.sparklib import REPO
+    from tests.jvm import DISK_FS
+    from tests.metastore.conftest import start_disk_hms
 
     lake = base / "lake"
-    lake.mkdir()
-    local = base / "warehouse"
-    return start_hms(base, "--warehouse-root", str(local), "--warehouse-root",
-                     f"disk://{lake}",
-                     site={"fs.disk.impl": DISK_FS, "fs.disk2.impl": DISK_FS,
-                           "fs.viewfs.mounttable.cl.link./alias": f"disk://{lake}"},
-                     classpath=[disk_fs_jar()],
-                     daemon_env={"CMROOT_STORE_WAREHOUSE_ROOTS": f"{local},disk://{lake}",
-                                 "PYTHONPATH": os.pathsep.join([str(REPO), str(FSSPEC_DISK)])})
+    return start_disk_hms(base, lake, site={
+        "fs.disk2.impl": DISK_FS, "fs.viewfs.mounttable.cl.link./alias": f"disk://{lake}"})
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.jvm import DISK_FS, FSSPEC_DISK, disk_fs_jar
-from tests.metastore.conftest import Hms, start_hms
+from tests.metastore.conftest import Hms, start_disk_hms, start_hms
 from tests.metastore.test_metastore_plugin import COLUMNS, files_of
 from tests.metastore.thrift_client import HmsClient, MetaException, NoSuchObjectException
 from tests.spark.sparklib import REPO
@@ -38,19 +38,8 @@ def _start(base: Path, *, daemon_roots: str | None = None,
            site: dict[str, str] | None = None, roots: list[str] | None = None) -> Hms:
     """A daemon and a metastore with the plugin. By default both have the roots
     [base/warehouse (local), disk://base/outer/lake]."""
-    lake = base / "outer" / "lake"
-    lake.mkdir(parents=True)
-    local = base / "warehouse"
-    plugin_roots = roots if roots is not None else [str(local), f"disk://{lake}"]
-    args: list[str] = []
-    for r in plugin_roots:
-        args += ["--warehouse-root", r]
-    return start_hms(
-        base, *args, site={"fs.disk.impl": DISK_FS, **(site or {})},
-        classpath=[disk_fs_jar()],
-        daemon_env={"CMROOT_STORE_WAREHOUSE_ROOTS": daemon_roots
-                    if daemon_roots is not None else f"{local},disk://{lake}",
-                    "PYTHONPATH": DAEMON_PATH})
+    return start_disk_hms(base, base / "outer" / "lake", plugin_roots=roots,
+                          daemon_roots=daemon_roots, site=site)
 
 
 def _stop(h: Hms) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.jvm import DISK_FS, FSSPEC_DISK, disk_fs_jar
 from tests.metastore.hms import Metastore, start_metastore
 from tests.metastore.thrift_client import HmsClient
 from tests.server.cmroot_daemon import Daemon
@@ -81,6 +82,24 @@ def start_hms(
         daemon.stop()
         raise
     return Hms(base, daemon, ms)
+
+
+def start_disk_hms(
+    base: Path, lake: Path, *, plugin_roots: list[str] | None = None,
+    daemon_roots: str | None = None, site: dict[str, str] | None = None,
+) -> Hms:
+    """`start_hms` with a second root on `disk://` (tests/jvm: a Hadoop scheme over the
+    local disk, read by the daemon through its fsspec twin): by default both the plugin
+    and the daemon have the roots [base/warehouse (local), disk://LAKE]."""
+    lake.mkdir(parents=True, exist_ok=True)
+    local = base / "warehouse"  # the daemon's own root (tests.server.cmroot_daemon)
+    roots = plugin_roots if plugin_roots is not None else [str(local), f"disk://{lake}"]
+    return start_hms(
+        base, *[a for r in roots for a in ("--warehouse-root", r)],
+        site={"fs.disk.impl": DISK_FS, **(site or {})}, classpath=[disk_fs_jar()],
+        daemon_env={"CMROOT_STORE_WAREHOUSE_ROOTS": daemon_roots
+                    if daemon_roots is not None else f"{local},disk://{lake}",
+                    "PYTHONPATH": os.pathsep.join([str(REPO), str(FSSPEC_DISK)])})
 
 
 @pytest.fixture(scope="package")

@@ -6,17 +6,14 @@ record their events, and fail closed when the daemon cannot keep them."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.jvm import DISK_FS, FSSPEC_DISK, disk_fs_jar
-from tests.metastore.conftest import Hms, start_hms
+from tests.metastore.conftest import Hms, start_disk_hms
 from tests.metastore.test_metastore_plugin import COLUMNS, files_of, partitioned
 from tests.metastore.thrift_client import HmsClient, MetaException, NoSuchObjectException
-from tests.spark.sparklib import REPO
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,15 +22,7 @@ pytestmark = pytest.mark.timeout(300)
 def foreign(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hms]:
     pytest.importorskip("pyspark")
     base = tmp_path_factory.mktemp("foreign")
-    lake = base / "lake"
-    lake.mkdir()
-    local = base / "warehouse"  # the daemon's own root (tests.server.cmroot_daemon)
-    roots = f"{local},disk://{lake}"
-    h = start_hms(
-        base, "--warehouse-root", str(local), "--warehouse-root", f"disk://{lake}",
-        site={"fs.disk.impl": DISK_FS}, classpath=[disk_fs_jar()],
-        daemon_env={"CMROOT_STORE_WAREHOUSE_ROOTS": roots,
-                    "PYTHONPATH": os.pathsep.join([str(REPO), str(FSSPEC_DISK)])})
+    h = start_disk_hms(base, base / "lake")
     try:
         yield h
     finally:
@@ -111,13 +100,8 @@ def test_a_root_without_a_scheme_is_on_the_default_file_system(tmp_path: Path) -
     hdfs://namenode/user/hive/warehouse: a root written without a scheme is on fs.defaultFS,
     not on the local disk (every table would be outside it, dropped unkept)."""
     lake = tmp_path / "lake"
-    lake.mkdir()
-    h = start_hms(
-        tmp_path, "--warehouse-root", str(lake),
-        site={"fs.disk.impl": DISK_FS, "fs.defaultFS": "disk:///"},
-        classpath=[disk_fs_jar()],
-        daemon_env={"CMROOT_STORE_WAREHOUSE_ROOTS": f"disk://{lake}",
-                    "PYTHONPATH": os.pathsep.join([str(REPO), str(FSSPEC_DISK)])})
+    h = start_disk_hms(tmp_path, lake, plugin_roots=[str(lake)],
+                       daemon_roots=f"disk://{lake}", site={"fs.defaultFS": "disk:///"})
     try:
         with h.client() as c:
             top = lake / "t"
