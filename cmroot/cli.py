@@ -14,6 +14,7 @@ import errno
 import json
 import logging
 import os
+import re
 import signal
 import stat
 import sys
@@ -161,6 +162,21 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the application's remote metastore (hive.metastore.uris) runs the cmroot plugin "
         "(`cmroot metastore-conf`): drops are left to it",
+    )
+    s.add_argument(
+        "--scheme",
+        action="append",
+        metavar="SCHEME[=CLASS]",
+        help="a Hadoop file system the warehouse is on besides file:// (hdfs, s3a, abfs, abfss,"
+        " gs, viewfs; another with its file system class): its hook is built and set "
+        "(repeatable)",
+    )
+    s.add_argument(
+        "--scheme-jar",
+        action="append",
+        default=[],
+        metavar="JAR",
+        help="a jar holding a --scheme's file system class, if not in pyspark's (repeatable)",
     )
     s.add_argument(
         "--warehouse-dir",
@@ -702,7 +718,9 @@ def _spark_conf(args: argparse.Namespace) -> int:
             "give --url http://host:port (the daemon listens on TCP besides server.socket)",
         )
     conf = spark.spark_conf(url, args.token, fail_open=args.fail_open,
-                            metastore_plugin=args.metastore_plugin)
+                            metastore_plugin=args.metastore_plugin,
+                            schemes=_schemes(args.scheme or []),
+                            scheme_jars=tuple(_readable_jars(args.scheme_jar)))
     # The local config's roots are that daemon's only when it is the daemon the URL names:
     # for another one, a guessed warehouse dir would point Spark outside its roots.
     own = args.url is None or args.url.rstrip("/") == config.server.base_url.rstrip("/")
@@ -711,6 +729,31 @@ def _spark_conf(args: argparse.Namespace) -> int:
         conf["spark.sql.warehouse.dir"] = warehouse
     _out(args, conf, lambda c: "\n".join(spark.format_conf(c, args.format)))
     return 0
+
+
+def _schemes(specs: list[str]) -> dict[str, str | None]:
+    """`--scheme` values as {scheme: class or None}; a malformed one is refused."""
+    out: dict[str, str | None] = {}
+    for spec in specs:
+        scheme, _, cls = spec.partition("=")
+        if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme) or scheme == "file" or (
+            cls and not re.fullmatch(r"[A-Za-z_$][\w$]*(\.[A-Za-z_$][\w$]*)+", cls)
+        ):
+            raise ConfigError(
+                f"--scheme {spec!r} is not SCHEME or SCHEME=CLASS",
+                "e.g. --scheme hdfs, or --scheme myfs=com.example.MyFileSystem (file:// is "
+                "always hooked)",
+            )
+        out[scheme] = cls or None
+    return out
+
+
+def _readable_jars(jars: list[str]) -> list[str]:
+    for jar in jars:
+        if not os.path.isfile(jar) or not os.access(jar, os.R_OK):
+            raise ConfigError(f"--scheme-jar {jar}: no readable file there",
+                              "give the path of the jar holding the file system class")
+    return [os.path.abspath(j) for j in jars]
 
 
 def _metastore_conf(args: argparse.Namespace) -> int:

@@ -25,11 +25,29 @@ from pathlib import Path
 
 from cmroot.exceptions import ConfigError
 
-__all__ = ["build_metastore_jar", "build_spark_jar", "cache_dir", "pyspark_home"]
+__all__ = [
+    "SCHEME_CLASSES",
+    "build_metastore_jar",
+    "build_scheme_jar",
+    "build_spark_jar",
+    "cache_dir",
+    "pyspark_home",
+    "scheme_class_name",
+]
 
 JAVA_SOURCES = Path(__file__).resolve().parent / "java"
 _PLUGIN = ("io/cmroot/core", "io/cmroot/metastore")  # the metastore jar's packages
 _SPARK = ("io/cmroot/spark",)
+SCHEME_TEMPLATE = Path(__file__).resolve().parent / "template" / "SchemeFileSystem.java.in"
+# The file system class each well-known scheme's hook extends (`--scheme NAME` alone).
+SCHEME_CLASSES = {
+    "hdfs": "org.apache.hadoop.hdfs.DistributedFileSystem",
+    "viewfs": "org.apache.hadoop.fs.viewfs.ViewFileSystem",
+    "s3a": "org.apache.hadoop.fs.s3a.S3AFileSystem",
+    "abfs": "org.apache.hadoop.fs.azurebfs.AzureBlobFileSystem",
+    "abfss": "org.apache.hadoop.fs.azurebfs.SecureAzureBlobFileSystem",
+    "gs": "com.google.cloud.hadoop.fs.gcs.GoogleHadoopFileSystem",
+}
 
 
 def pyspark_home() -> Path:
@@ -159,3 +177,47 @@ def build_spark_jar(force: bool = False) -> str:
         _jar(part, tmp / "plugin", tmp / "spark")
 
     return _cached(f"cmroot-spark-{_spark_version()}-{key}.jar", force, build)
+
+
+def scheme_class_name(scheme: str) -> str:
+    """The hook class of `scheme` (`disk` -> io.cmroot.spark.schemes.CmrootDiskFileSystem)."""
+    word = "".join(c for c in scheme.title() if c.isalnum())
+    return f"io.cmroot.spark.schemes.Cmroot{word}FileSystem"
+
+
+def build_scheme_jar(
+    scheme: str, base: str, classpath: tuple[str, ...] = (), force: bool = False
+) -> str:
+    """The hook of the file system scheme `scheme`: a subclass of `base` (its file system
+    class, found in pyspark's jars or `classpath`) routing deletes, replacing creates and
+    renames through cmroot. Built once per (scheme, class, Spark jar), then cached."""
+    spark_jar = build_spark_jar()
+    name = scheme_class_name(scheme)
+    simple = name.rsplit(".", 1)[1]
+    source = (
+        SCHEME_TEMPLATE.read_text(encoding="utf-8")
+        .replace("@SCHEME@", scheme)
+        .replace("@BASE@", base)
+        .replace("@CLASS@", simple)
+    )
+    key = hashlib.sha256(
+        "\0".join([source, spark_jar, *classpath]).encode()
+    ).hexdigest()[:16]
+    jars = [spark_jar, str(pyspark_home() / "jars" / "*"), *classpath]
+
+    def build(tmp: Path, part: Path) -> None:
+        src = tmp / "src" / f"{simple}.java"
+        src.parent.mkdir(parents=True)
+        src.write_text(source, encoding="utf-8")
+        try:
+            _compile([src], "17", jars, tmp / "classes")
+        except ConfigError as e:
+            said = " ".join(e.detail.split(": ", 1)[-1].split())[:500]
+            raise ConfigError(
+                f"cannot build cmroot's hook for the {scheme}:// scheme on {base} ({said})",
+                f"put the jar holding {base} on the class path with --scheme-jar, or name the "
+                f"scheme's file system class as --scheme {scheme}=CLASS",
+            ) from e
+        _jar(part, tmp / "classes")
+
+    return _cached(f"cmroot-scheme-{scheme}-{key}.jar", force, build)

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cmroot import jvm
+from cmroot.exceptions import ConfigError
 from cmroot.metastore import LISTENERS
 
 __all__ = [
@@ -68,9 +69,15 @@ def spark_conf(
     enabled: bool = True,
     warehouse_roots: list[str] | None = None,
     metastore_plugin: bool = False,
+    schemes: Mapping[str, str | None] | None = None,
+    scheme_jars: tuple[str, ...] = (),
     **extra: Any,
 ) -> dict[str, str]:
     """The Spark conf that turns the hook on, as {key: value}.
+
+    `schemes`: the other Hadoop file systems the warehouse roots are on, {scheme: its file
+    system class, or None for the well-known one (`jvm.SCHEME_CLASSES`)}: each gets a hook
+    class built on it (`scheme_jars` hold the classes, if not in pyspark's jars).
 
     `metastore_plugin`: the application's metastore is remote and runs the cmroot plugin
     (`cmroot metastore-conf`), which then protects drops; without it, drops a remote
@@ -92,6 +99,11 @@ def spark_conf(
         "spark.cmroot.enabled": _bool(enabled),
         "spark.cmroot.failOpen": _bool(fail_open),
     }
+    for scheme, base in (schemes or {}).items():
+        hook = jvm.build_scheme_jar(scheme, base or _scheme_class(scheme), scheme_jars)
+        for key in ("spark.driver.extraClassPath", "spark.executor.extraClassPath"):
+            conf[key] = os.pathsep.join([conf[key], hook, *scheme_jars])
+        conf[f"spark.hadoop.fs.{scheme}.impl"] = jvm.scheme_class_name(scheme)
     if metastore_plugin:
         conf["spark.cmroot.metastorePlugin"] = "true"
     token = token or os.environ.get("CMROOT_TOKEN")
@@ -103,6 +115,16 @@ def spark_conf(
         full = key if "." in key else f"spark.cmroot.{key}"
         conf[full] = _bool(value) if isinstance(value, bool) else str(value)
     return conf
+
+
+def _scheme_class(scheme: str) -> str:
+    try:
+        return jvm.SCHEME_CLASSES[scheme]
+    except KeyError:
+        raise ConfigError(
+            f"no known file system class for the {scheme}:// scheme",
+            f"name it: --scheme {scheme}=CLASS (the class fs.{scheme}.impl names)",
+        ) from None
 
 
 def _bool(value: bool) -> str:

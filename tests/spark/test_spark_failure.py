@@ -145,9 +145,10 @@ def test_disabled_deletes_as_spark_does(lake: Lake) -> None:
 
 
 def test_a_root_on_another_file_system_refuses_every_command(lake: Lake) -> None:
-    """A warehouse root on a file system the hook does not replace (s3a://, hdfs://):
-    Spark would delete the data of drops and overwrites there unkept. Every command is
-    refused, saying so, and changes nothing; queries still run."""
+    """A warehouse root on a file system without cmroot's hook (s3a:// here, with no
+    `spark-conf --scheme s3a`): Spark would delete the data of drops and overwrites there
+    unkept. Every command is refused, saying so and how to hook it, and changes nothing;
+    queries still run."""
     before = make(lake, "foreign_root")
     since = lake.daemon.current()
     roots = f"{lake.warehouse},s3a://bucket/warehouse"
@@ -157,7 +158,8 @@ def test_a_root_on_another_file_system_refuses_every_command(lake: Lake) -> None
                           "TRUNCATE TABLE foreign_root",
                           "ALTER TABLE foreign_root DROP PARTITION (p=1)"):
             with pytest.raises(Exception, match=r"cmroot refuses .*s3a://bucket/warehouse\]"
-                               r" are not on the local file system"):
+                               r" are on file systems whose deletes cmroot does not see.*"
+                               r"--scheme"):
                 lake.sql(statement)
         with pytest.raises(Exception, match="cmroot refuses"):
             lake.spark.range(1).selectExpr("CAST(id AS INT) a", "1 p").write.mode(

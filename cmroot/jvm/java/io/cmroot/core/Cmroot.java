@@ -413,6 +413,37 @@ public final class Cmroot {
     }
   }
 
+  // The Hadoop configuration of this process (the metastore's, or the Spark application's):
+  // the file systems places on other schemes are resolved and listed through. Static because
+  // catalog locations are read in many places that have no file system at hand.
+  private static volatile Configuration hadoop;
+
+  /** Remember the process's Hadoop configuration (each listener, and Spark's extensions). */
+  public static void useHadoop(Configuration conf) {
+    if (conf != null) {
+      hadoop = conf;
+    }
+  }
+
+  /** The process's Hadoop configuration (see {@link #useHadoop}), or a default one. */
+  public static Configuration hadoop() {
+    Configuration c = hadoop;
+    return c != null ? c : new Configuration();
+  }
+
+  /** {@link #place(String, Configuration)} through the process's Hadoop configuration. */
+  public static String where(String location) {
+    return place(location, hadoop);
+  }
+
+  /**
+   * A file system that deletes without cmroot when asked (a scheme's hook): what cmroot's
+   * own clean-ups use, so that they are not taken for deletes of data.
+   */
+  public interface RawDeletes {
+    boolean rawDelete(org.apache.hadoop.fs.Path p, boolean recursive) throws IOException;
+  }
+
   /** Is this place (see {@link #place}) on the local file system? */
   public static boolean isLocal(String place) {
     return place.startsWith("/");
@@ -491,6 +522,163 @@ public final class Cmroot {
     return out;
   }
 
+  /** The status of a place on another file system, or null if nothing is there. */
+  private static org.apache.hadoop.fs.FileStatus status(String place) throws IOException {
+    try {
+      return fsOf(place, hadoop()).getFileStatus(new org.apache.hadoop.fs.Path(place));
+    } catch (java.io.FileNotFoundException e) {
+      return null;
+    }
+  }
+
+  /** Is anything (a symlink included, not followed) at this place on any file system? */
+  public static boolean exists(String place) throws IOException {
+    return isLocal(place) ? Files.exists(Paths.get(place), java.nio.file.LinkOption.NOFOLLOW_LINKS)
+        : status(place) != null;
+  }
+
+  /** Is a plain file (not a symlink, not a directory) at this place on any file system? */
+  public static boolean isFile(String place) throws IOException {
+    if (isLocal(place)) {
+      return Files.isRegularFile(Paths.get(place), java.nio.file.LinkOption.NOFOLLOW_LINKS);
+    }
+    org.apache.hadoop.fs.FileStatus st = status(place);
+    return st != null && st.isFile();
+  }
+
+  /** Is a directory (not a symlink to one) at this place on any file system? */
+  public static boolean isDirectory(String place) throws IOException {
+    if (isLocal(place)) {
+      return Files.isDirectory(Paths.get(place), java.nio.file.LinkOption.NOFOLLOW_LINKS);
+    }
+    org.apache.hadoop.fs.FileStatus st = status(place);
+    return st != null && st.isDirectory();
+  }
+
+  /** The entries of the directory `place` on any file system; none if it is missing. */
+  public static List<String> children(String place) throws IOException {
+    List<String> out = new ArrayList<>();
+    if (isLocal(place)) {
+      String[] names = new File(place).list();
+      for (String n : names == null ? new String[0] : names) {
+        out.add(child(place, n));
+      }
+    } else {
+      try {
+        for (org.apache.hadoop.fs.FileStatus c
+            : fsOf(place, hadoop()).listStatus(new org.apache.hadoop.fs.Path(place))) {
+          out.add(uriKey(c.getPath().toString()));
+        }
+      } catch (java.io.FileNotFoundException e) {
+        return out;
+      }
+    }
+    Collections.sort(out);
+    return out;
+  }
+
+  /** The scheme of a place on another file system ("file" for a local one). */
+  public static String scheme(String place) {
+    return isLocal(place) ? "file" : place.substring(0, place.indexOf(':'));
+  }
+
+  /** `name` (one or more segments, "k=v/j=w") inside the directory `place`. */
+  public static String child(String place, String name) {
+    return place.replaceAll("/+$", "") + "/" + name.replaceAll("^/+", "");
+  }
+
+  /** The directory holding `place`. */
+  public static String parent(String place) {
+    return place.substring(0, Math.max(place.lastIndexOf('/'), isLocal(place) ? 1 : 0));
+  }
+
+  /** The last name of `place`. */
+  public static String name(String place) {
+    return place.substring(place.lastIndexOf('/') + 1);
+  }
+
+  /** Remove what is at `place` (a file, or a tree when `recursive`) without cmroot. */
+  public static boolean rawDelete(String place, boolean recursive) throws IOException {
+    if (isLocal(place)) {
+      File f = new File(place);
+      if (recursive && f.isDirectory() && !Files.isSymbolicLink(f.toPath())) {
+        File[] children = f.listFiles();
+        for (File c : children == null ? new File[0] : children) {
+          rawDelete(c.getPath(), true);
+        }
+      }
+      return f.delete();
+    }
+    org.apache.hadoop.fs.Path p = new org.apache.hadoop.fs.Path(place);
+    org.apache.hadoop.fs.FileSystem fs = fsOf(place, hadoop());
+    return fs instanceof RawDeletes ? ((RawDeletes) fs).rawDelete(p, recursive)
+        : fs.delete(p, recursive);
+  }
+
+  /** Remove the directories under and including `place` that hold nothing, deepest first. */
+  public static void removeEmptyDirectories(String place) throws IOException {
+    if (isLocal(place)) {
+      removeEmptyDirectories(new File(place));
+      return;
+    }
+    org.apache.hadoop.fs.FileStatus[] children;
+    try {
+      children = fsOf(place, hadoop()).listStatus(new org.apache.hadoop.fs.Path(place));
+    } catch (java.io.FileNotFoundException e) {
+      return;
+    }
+    for (org.apache.hadoop.fs.FileStatus c : children) {
+      if (c.isDirectory()) {
+        removeEmptyDirectories(uriKey(c.getPath().toString()));
+      }
+    }
+    if (!holdsFiles(place, hadoop())) {
+      rawDelete(place, true); // directories only below it: what the loop left is empty
+    }
+  }
+
+  /**
+   * The entries of the directory `place` (not hidden, not directories) last modified before
+   * `millis`, on any file system (locally by ctime: a file renamed or linked there since is
+   * newer; elsewhere by modification time, which a rename keeps).
+   */
+  public static List<String> olderEntries(String place, long millis) throws IOException {
+    List<String> out = new ArrayList<>();
+    if (isLocal(place)) {
+      File[] entries = new File(place).listFiles();
+      for (File f : entries == null ? new File[0] : entries) {
+        Path p = f.toPath();
+        if (isHiddenName(f.getName())
+            || Files.isDirectory(p, java.nio.file.LinkOption.NOFOLLOW_LINKS)) {
+          continue;
+        }
+        try {
+          if (((java.nio.file.attribute.FileTime) Files.getAttribute(p, "unix:ctime",
+              java.nio.file.LinkOption.NOFOLLOW_LINKS)).toMillis() < millis) {
+            out.add(f.getPath());
+          }
+        } catch (IOException | UnsupportedOperationException e) {
+          // gone meanwhile, or no ctime here: left to its own delete
+        }
+      }
+      return out;
+    }
+    org.apache.hadoop.fs.FileStatus[] children;
+    try {
+      children = fsOf(place, hadoop()).listStatus(new org.apache.hadoop.fs.Path(place));
+    } catch (java.io.FileNotFoundException e) {
+      return out;
+    }
+    for (org.apache.hadoop.fs.FileStatus c : children) {
+      if (!c.isDirectory() && !isHiddenName(c.getPath().getName())
+          && c.getModificationTime() < millis) {
+        out.add(uriKey(c.getPath().toString()));
+      }
+    }
+    Collections.sort(out);
+    return out;
+  }
+
   public static boolean under(String path, String root) {
     return path.equals(root) || path.startsWith(root.endsWith("/") ? root : root + "/");
   }
@@ -542,7 +730,7 @@ public final class Cmroot {
         if (i + 1 < segs.length && ATTEMPT.matcher(segs[i + 1]).matches()) {
           return end + 1 + segs[i + 1].length();
         }
-        if (i + 1 == segs.length && isCommitterTemporary(new File(path))) {
+        if (i + 1 == segs.length && isCommitterTemporary(path)) {
           return end;
         }
       }
@@ -559,8 +747,22 @@ public final class Cmroot {
    * directories (0, 1, ...) in it. A table called `_temporary` holds data files or k=v
    * directories, so it is not one.
    */
-  public static boolean isCommitterTemporary(File dir) {
-    File[] children = dir.listFiles();
+  public static boolean isCommitterTemporary(String dir) {
+    if (!isLocal(dir)) {
+      try {
+        org.apache.hadoop.fs.FileStatus[] children =
+            fsOf(dir, hadoop()).listStatus(new org.apache.hadoop.fs.Path(dir));
+        for (org.apache.hadoop.fs.FileStatus c : children) {
+          if (!c.isDirectory() || !ATTEMPT.matcher(c.getPath().getName()).matches()) {
+            return false;
+          }
+        }
+        return children.length > 0;
+      } catch (IOException e) {
+        return false;
+      }
+    }
+    File[] children = new File(dir).listFiles();
     if (children == null || children.length == 0) {
       return false;
     }
@@ -706,6 +908,9 @@ public final class Cmroot {
    * whatever its directories are called: what a LOAD DATA moves is data all of it.
    */
   public static List<String> filesUnder(String dir, boolean skipTemporary) throws IOException {
+    if (!isLocal(dir)) {
+      return filesUnderElsewhere(dir, dir, skipTemporary);
+    }
     Path root = Paths.get(dir);
     List<String> out = new ArrayList<>();
     if (!Files.isDirectory(root, java.nio.file.LinkOption.NOFOLLOW_LINKS)) {
@@ -743,12 +948,39 @@ public final class Cmroot {
     return out;
   }
 
+  /** {@link #filesUnder(String, boolean)} on another file system: `top` is the delete's. */
+  private static List<String> filesUnderElsewhere(String top, String dir, boolean skipTemporary)
+      throws IOException {
+    List<String> out = new ArrayList<>();
+    org.apache.hadoop.fs.FileStatus[] children;
+    try {
+      children = fsOf(dir, hadoop()).listStatus(new org.apache.hadoop.fs.Path(dir));
+    } catch (java.io.FileNotFoundException e) {
+      return out; // removed meanwhile: not ours to keep
+    }
+    for (org.apache.hadoop.fs.FileStatus c : children) {
+      String child = uriKey(c.getPath().toString());
+      if (child.equals(dir)) {
+        out.add(dir); // `dir` is a file: listed as itself
+      } else if (!c.isDirectory()) {
+        out.add(child);
+      } else if (!skipTemporary || !temporaryBelow(top, child)) {
+        out.addAll(filesUnderElsewhere(top, child, skipTemporary));
+      }
+    }
+    Collections.sort(out);
+    return out;
+  }
+
   /**
    * What a directory holds (the entries with files in them), so that the directory itself
    * stays for the metastore to delete (it logs an error when the directory it drops is
    * already gone); the directory itself when it cannot be listed.
    */
   public static List<String> contents(String dir) throws IOException {
+    if (!isLocal(dir)) {
+      return contents(dir, hadoop());
+    }
     String[] names = new File(dir).list();
     List<String> out = new ArrayList<>();
     if (names == null) {

@@ -20,23 +20,18 @@ import org.apache.hadoop.hive.metastore.events.PreEventContext;
 public final class Drops {
   private Drops() {}
 
-  // The metastore's Hadoop configuration, as its listeners are given it: the file systems
-  // locations on other schemes are resolved through (see Cmroot.place). Static because the
-  // catalog objects' locations are read in many places that have no listener at hand.
-  private static volatile Configuration hadoop;
-
   static Cmroot.Settings settings(Configuration conf) {
     return Cmroot.settings(conf);
   }
 
   /** Remember the metastore's configuration (each listener does, when constructed). */
   static void configure(Configuration conf) {
-    hadoop = conf;
+    Cmroot.useHadoop(conf);
   }
 
   /** A location placed as cmroot compares it, resolved through the metastore's Hadoop. */
   static String place(String location) {
-    return Cmroot.place(location, hadoop);
+    return Cmroot.where(location);
   }
 
   /** The key of a drop (a table, or one of its partitions by values) within a call. */

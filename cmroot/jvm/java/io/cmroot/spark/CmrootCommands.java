@@ -83,7 +83,7 @@ final class CmrootCommands {
     if (plan instanceof InsertIntoHadoopFsRelationCommand) {
       InsertIntoHadoopFsRelationCommand c = (InsertIntoHadoopFsRelationCommand) plan;
       String op = c.mode() == SaveMode.Overwrite ? "INSERT_OVERWRITE" : "INSERT";
-      String location = Cmroot.localPath(String.valueOf(c.outputPath()));
+      String location = Cmroot.where(String.valueOf(c.outputPath()));
       if (c.catalogTable().isDefined()) {
         TableIdentifier id = c.catalogTable().get().identifier();
         return new Ctx(op, db(session, id), id.table(), false, location)
@@ -94,7 +94,7 @@ final class CmrootCommands {
     if (plan instanceof InsertIntoHiveTable) {
       InsertIntoHiveTable c = (InsertIntoHiveTable) plan;
       TableIdentifier id = c.table().identifier();
-      String location = Cmroot.localPath(String.valueOf(c.table().location()));
+      String location = Cmroot.where(String.valueOf(c.table().location()));
       Map<String, String> fixed = new LinkedHashMap<>();
       for (Map.Entry<String, Option<String>> e
           : CollectionConverters.asJava(c.partition()).entrySet()) {
@@ -133,7 +133,7 @@ final class CmrootCommands {
       Object location = uri.isDefined() ? uri.get()
           : session.sessionState().catalog().defaultTablePath(qualified);
       return new Ctx("INSERT", db(session, id), id.table(), false,
-          Cmroot.localPath(String.valueOf(location)), true);
+          Cmroot.where(String.valueOf(location)), true);
     }
     return null;
   }
@@ -195,7 +195,7 @@ final class CmrootCommands {
       CatalogTablePartition p = active.get().sessionState().catalog().getPartition(
           new TableIdentifier(ctx.table, Option.apply(ctx.db)),
           scala.collection.immutable.Map$.MODULE$.from(CollectionConverters.asScala(spec)));
-      return Cmroot.localPath(String.valueOf(p.location()));
+      return Cmroot.where(String.valueOf(p.location()));
     } catch (Exception e) {
       return null; // no such partition, or a spec the catalog does not take
     }
@@ -216,7 +216,7 @@ final class CmrootCommands {
       }
       for (CatalogTablePartition p : CollectionConverters.asJava(
           catalog.listPartitions(qualified, Option.empty()))) {
-        String dir = Cmroot.localPath(String.valueOf(p.location()));
+        String dir = Cmroot.where(String.valueOf(p.location()));
         Map<String, String> spec = CollectionConverters.asJava(p.spec());
         if (dir != null && !Cmroot.isDefaultPartitionDir(dir, location, spec)) {
           out.put(dir, spec);
@@ -233,7 +233,7 @@ final class CmrootCommands {
     Option<java.net.URI> uri = storage.locationUri();
     return uri.isDefined()
         ? new Ctx("INSERT_OVERWRITE", null, null, false,
-            Cmroot.localPath(String.valueOf(uri.get())))
+            Cmroot.where(String.valueOf(uri.get())))
         : null;
   }
 
@@ -242,7 +242,7 @@ final class CmrootCommands {
     String db = db(session, id);
     String location = null;
     try {
-      location = Cmroot.localPath(String.valueOf(session.sessionState().catalog()
+      location = Cmroot.where(String.valueOf(session.sessionState().catalog()
           .getTableMetadata(new TableIdentifier(id.table(), Option.apply(db))).location()));
     } catch (Exception e) {
       // no such table (IF EXISTS) or a temporary view: no location to match

@@ -75,8 +75,10 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
   @Override
   public boolean deleteWithJob(FileSystem fs, Path path, boolean recursive) {
     Cmroot.Settings s = Cmroot.settings(fs.getConf());
+    // A path of a hooked file system (file://, or a scheme's hook), as cmroot places it.
     String local = fs instanceof CmrootLocalFileSystem ? Cmroot.localPath(path.toUri().getPath())
-        : null;
+        : fs instanceof Cmroot.RawDeletes ? Cmroot.place(fs.makeQualified(path).toString(),
+            fs.getConf()) : null;
     try {
       if (local != null) {
         Cmroot.refuseRootRemoval(local, s, "the overwrite of");
@@ -84,7 +86,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
       if (local == null || !recursive || !Ctx.protectedPath(local, s, ctx)) {
         return fs.delete(path, recursive);
       }
-      if (s.enabled && Files.isRegularFile(Paths.get(local), LinkOption.NOFOLLOW_LINKS)) {
+      if (s.enabled && Cmroot.isFile(local)) {
         return replaceFile(fs, path, local, s);
       }
       snapshot.addAll(Cmroot.filesUnder(local)); // recycled at commit, once the new data is in
@@ -103,7 +105,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
   private boolean replaceFile(FileSystem fs, Path path, String local, Cmroot.Settings s)
       throws IOException {
     CmrootStatement st = CmrootStatement.current();
-    String base = Cmroot.localPath(outputPath);
+    String base = Cmroot.where(outputPath);
     if (st == null) {
       early = transaction(s, base);
       if (!early.prepare(List.of(local), partitions(List.of(local), base),
@@ -120,17 +122,18 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
   public void commitJob(JobContext jobContext,
       scala.collection.immutable.Seq<FileCommitProtocol.TaskCommitMessage> taskCommits) {
     Cmroot.Settings s = Cmroot.settings(jobContext.getConfiguration());
-    String base = Cmroot.localPath(outputPath);
+    String base = Cmroot.where(outputPath);
     List<String> list = new ArrayList<>();
     try {
       for (String p : snapshot) {
-        if (Files.exists(Paths.get(p), LinkOption.NOFOLLOW_LINKS)) {
+        if (Cmroot.exists(p)) {
           list.add(p); // one another writer removed meanwhile is not ours to keep
         }
       }
       if (dynamic && base != null && Ctx.protectedPath(base, s, ctx)) {
         for (String part : partitionPaths(taskCommits)) {
-          list.addAll(Cmroot.filesUnder(Cmroot.localPath(new File(base, part).getPath())));
+          list.addAll(Cmroot.filesUnder(Cmroot.isLocal(base)
+              ? Cmroot.localPath(new File(base, part).getPath()) : Cmroot.child(base, part)));
         }
       }
     } catch (IOException e) {
@@ -173,7 +176,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     String target = moved ? ctx.location : base;
     CmrootStatement.Action done = () -> {
       for (String d : emptied) {
-        Cmroot.removeEmptyDirectories(new File(d)); // what Spark's delete would not have left
+        Cmroot.removeEmptyDirectories(d); // what Spark's delete would not have left
       }
       recordInsert(s, target);
     };
@@ -210,8 +213,8 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
    */
   private void stageReplaced(CmrootStatement st, String base) throws IOException {
     Set<String> parts = new LinkedHashSet<>();
-    for (String f : Cmroot.dataFiles(new File(base), true, null)) {
-      String rel = new File(f).getParent().substring(base.length()).replaceAll("^/+", "");
+    for (String f : Cmroot.dataFiles(base, true, null, Cmroot.hadoop())) {
+      String rel = Cmroot.parent(f).substring(base.length()).replaceAll("^/+", "");
       // Hive's load skips a hidden directory (`_p=1`): it replaces no partition there.
       if (!rel.isEmpty() && java.util.Arrays.stream(rel.split("/"))
           .noneMatch(Cmroot::isHiddenName)) {
@@ -226,7 +229,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
       Map<String, String> spec = new LinkedHashMap<>(ctx.staticSpec);
       spec.putAll(Cmroot.partitionOf(part, null, true));
       String dir = CmrootCommands.partitionLocation(ctx, spec);
-      for (String e : dir == null ? List.<String>of() : st.olderEntries(new File(dir))) {
+      for (String e : st.olderEntries(dir)) {
         paths.addAll(Cmroot.withChecksumSibling(e));
       }
     }
@@ -266,7 +269,12 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
   private void removeOutput(String base) {
     for (String p : jobFiles(base)) {
       for (String f : Cmroot.withChecksumSibling(p)) {
-        new File(f).delete(); // the job's own output: nothing any event recorded
+        try {
+          Cmroot.rawDelete(f, false); // the job's own output: nothing any event recorded
+        } catch (IOException e) {
+          Cmroot.LOG.error("cmroot: could not remove {} (the output of a rolled back job): {}",
+              f, e.toString());
+        }
       }
     }
   }
@@ -285,9 +293,14 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
   private List<String> jobFiles(String base) {
     Ctx c = ctx == null ? null : ctx.appliesTo(base);
     // A partition's own location may lie below a hidden name of the table's (`_x/7`).
-    Set<String> files = new TreeSet<>(Cmroot.dataFiles(new File(base), true, jobId));
-    for (String d : c == null ? List.<String>of() : c.dirs()) {
-      files.addAll(Cmroot.dataFiles(new File(d), true, jobId));
+    Set<String> files = new TreeSet<>();
+    try {
+      files.addAll(Cmroot.dataFiles(base, true, jobId, Cmroot.hadoop()));
+      for (String d : c == null ? List.<String>of() : c.dirs()) {
+        files.addAll(Cmroot.dataFiles(d, true, jobId, Cmroot.hadoop()));
+      }
+    } catch (IOException e) {
+      throw new UncheckedIOException(e);
     }
     return new ArrayList<>(files);
   }
@@ -302,9 +315,8 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
   /** Failed open (logged and counted): delete as Spark would have. */
   private static void deleteFailedOpen(JobContext jobContext, List<String> files)
       throws IOException {
-    FileSystem raw = FileSystem.getLocal(jobContext.getConfiguration()).getRaw();
     for (String p : files) {
-      raw.delete(new Path(new File(p).toURI()), false);
+      Cmroot.rawDelete(p, false);
     }
   }
 

@@ -78,7 +78,7 @@ public class CmrootExtensions extends AbstractFunction1<SparkSessionExtensions, 
               @Override
               public BoxedUnit apply(LogicalPlan plan) {
                 Cmroot.Settings s = Cmroot.settings(null);
-                ForeignRoots.refuse(plan, s);
+                ForeignRoots.refuse(session, plan, s);
                 RemoteMetastore.refuseUnprotected(session, plan, s);
                 return BoxedUnit.UNIT;
               }
@@ -165,7 +165,7 @@ public class CmrootExtensions extends AbstractFunction1<SparkSessionExtensions, 
       }
       String location;
       try {
-        location = Cmroot.localPath(String.valueOf(
+        location = Cmroot.where(String.valueOf(
             session.sessionState().catalog().getDatabaseMetadata(db).locationUri()));
       } catch (Exception e) {
         return BoxedUnit.UNIT; // no such database: the command says so

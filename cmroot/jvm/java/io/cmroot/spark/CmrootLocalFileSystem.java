@@ -36,8 +36,6 @@ import org.apache.hadoop.util.Progressable;
  * {@code FileSystem.getLocal(conf)} to LocalFileSystem.
  */
 public class CmrootLocalFileSystem extends LocalFileSystem {
-  // Files that keep appearing under a directory being deleted: staged again this many times.
-  private static final int RESTAGE_ROUNDS = 3;
   // Hadoop's trash directory name (TrashPolicyDefault: <home>/.Trash/Current/<path>).
   private static final String TRASH = ".Trash";
 
@@ -303,54 +301,12 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     if (file.isDirectory() && !recursive) {
       return super.delete(f, false); // a non-empty directory: Hadoop refuses, as it should
     }
-    Ctx ctx = CmrootStatement.contextFor(local);
-    String op = ctx == null ? "DELETE" : ctx.deleteOp();
-    Map<String, String> part = ctx == null ? Cmroot.partitionOf(local, null, file.isDirectory())
-        : ctx.partitionOf(local, file.isDirectory());
-    String db = ctx == null ? null : ctx.db;
-    String table = ctx == null ? null : ctx.table;
-    String location = ctx == null ? null : ctx.location;
-    boolean purge = ctx != null && ctx.purge;
-    String what = "the delete of " + local;
-    CmrootTransaction own = st != null ? null
-        : new CmrootTransaction(s, op, db, table, purge, location, what);
-    if (ahead && st != null && recursive && "INSERT_OVERWRITE".equals(op)
+    Deletes.Labels l = new Deletes.Labels(local, file.isDirectory());
+    if (ahead && st != null && recursive && "INSERT_OVERWRITE".equals(l.op)
         && Files.isRegularFile(file.toPath(), LinkOption.NOFOLLOW_LINKS)) {
-      return replacedByHive(f, file, st, op, db, table, purge, part, location, what);
+      return replacedByHive(f, file, st, l);
     }
-    List<String> paths = Cmroot.withChecksumSibling(local);
-    for (int round = 0; round < RESTAGE_ROUNDS && !paths.isEmpty(); round++) {
-      List<Map<String, String>> parts = part.isEmpty() ? List.of() : List.of(part);
-      boolean staged = st != null
-          ? st.prepare(paths, op, db, table, purge, parts, location, what)
-          : own.prepare(paths, parts, what);
-      if (!staged) {
-        return super.delete(f, recursive); // failed open (logged and counted)
-      }
-
-      // A writer may have added files meanwhile: they are part of what this delete removes.
-      paths = file.exists() ? Cmroot.filesUnder(local) : List.of();
-    }
-    try {
-      if (!paths.isEmpty()) {
-        throw new Cmroot.RecycleException("cmroot: files keep appearing under " + local
-            + " while it is deleted (" + paths.get(0) + "); stop the writer and run the "
-            + "statement again", null);
-      }
-      if (file.exists()) {
-        super.delete(f, true); // what the daemon left is empty directories only
-      }
-      CmrootFaults.afterPrepare(null, what);
-      if (own != null) {
-        own.commit();
-      }
-    } catch (IOException | RuntimeException e) {
-      if (own != null) {
-        own.abort(e.toString());
-      }
-      throw e;
-    }
-    return true;
+    return Deletes.recycle(local, l, s, st, r -> super.delete(f, r));
   }
 
   /**
@@ -360,8 +316,7 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
    * request, not one round trip per file; the others find theirs staged. Files newer than
    * the statement (a concurrent writer's, or its own) are not Hive's to replace from here.
    */
-  private boolean replacedByHive(Path f, File file, CmrootStatement st, String op, String db,
-      String table, boolean purge, Map<String, String> part, String location, String what)
+  private boolean replacedByHive(Path f, File file, CmrootStatement st, Deletes.Labels l)
       throws IOException {
     synchronized (st.replaceLock()) {
       if (st.stagedFile(file.getPath())) {
@@ -371,13 +326,12 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
         return super.delete(f, true);
       }
       List<String> paths = st.olderSiblings(file);
-      List<Map<String, String>> parts = part.isEmpty() ? List.of() : List.of(part);
-      if (!st.prepare(paths, op, db, table, purge, parts, location, what)) {
+      if (!st.prepare(paths, l.op, l.db, l.table, l.purge, l.parts(), l.location, l.what)) {
         return super.delete(f, true); // failed open (logged and counted)
       }
       st.markFilesStaged(paths);
     }
-    CmrootFaults.afterPrepare(null, what);
+    CmrootFaults.afterPrepare(null, l.what);
     return true;
   }
 }

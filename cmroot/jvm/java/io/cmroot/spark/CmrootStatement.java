@@ -269,11 +269,10 @@ public final class CmrootStatement implements Statement {
    * (ctime: a file written, renamed or linked there since is newer), each with its checksum
    * sibling. What Hive listed to replace, without what arrived after the statement started.
    */
-  List<String> olderSiblings(java.io.File file) {
+  List<String> olderSiblings(java.io.File file) throws java.io.IOException {
     List<String> out = new ArrayList<>(Cmroot.withChecksumSibling(file.getPath()));
-    for (String f : olderEntries(file.getParentFile())) {
-      if (!f.equals(file.getPath()) && java.nio.file.Files.isRegularFile(
-          java.nio.file.Paths.get(f), java.nio.file.LinkOption.NOFOLLOW_LINKS)) {
+    for (String f : olderEntries(file.getParent())) {
+      if (!f.equals(file.getPath()) && Cmroot.isFile(f)) {
         out.addAll(Cmroot.withChecksumSibling(f));
       }
     }
@@ -281,29 +280,11 @@ public final class CmrootStatement implements Statement {
   }
 
   /**
-   * The entries of `dir` Hive replaces (not hidden, not directories) whose inode last
+   * The entries of the directory `dir` Hive replaces (not hidden, not directories) last
    * changed before the statement began; none if `dir` is missing.
    */
-  List<String> olderEntries(java.io.File dir) {
-    List<String> out = new ArrayList<>();
-    java.io.File[] entries = dir == null ? null : dir.listFiles();
-    for (java.io.File f : entries == null ? new java.io.File[0] : entries) {
-      java.nio.file.Path p = f.toPath();
-      if (Cmroot.isHiddenName(f.getName())
-          || java.nio.file.Files.isDirectory(p, java.nio.file.LinkOption.NOFOLLOW_LINKS)) {
-        continue;
-      }
-      try {
-        if (((java.nio.file.attribute.FileTime) java.nio.file.Files.getAttribute(p,
-            "unix:ctime", java.nio.file.LinkOption.NOFOLLOW_LINKS)).toMillis()
-            < unit.startedMillis) {
-          out.add(f.getPath());
-        }
-      } catch (java.io.IOException | UnsupportedOperationException e) {
-        // gone meanwhile, or no ctime here: left to its own delete
-      }
-    }
-    return out;
+  List<String> olderEntries(String dir) throws java.io.IOException {
+    return dir == null ? List.of() : Cmroot.olderEntries(dir, unit.startedMillis);
   }
 
   void markKept(List<String> paths) {
