@@ -117,6 +117,7 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
       return super.rename(src, dst); // onto itself (a LOAD of a table's own file): a no-op
     }
     Cmroot.Settings s = Cmroot.settings(getConf());
+    refuseRootMove(src, s);
     String target = s.enabled ? Cmroot.localPath(pathToFile(dst).getPath()) : null;
     if (Ctx.protectedPath(target, s, statementCtx())) {
       refuseLate("move into", target);
@@ -192,10 +193,19 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
       }
       return;
     }
+    refuseRootMove(src, Cmroot.settings(getConf()));
     if (Arrays.asList(options).contains(Options.Rename.OVERWRITE)) {
       recycleReplaced(dst);
     }
     super.rename(src, dst, options);
+  }
+
+  /** A rename of a root, or of a directory holding one, takes the warehouse away: refused. */
+  private void refuseRootMove(Path src, Cmroot.Settings s) throws IOException {
+    String from = s.enabled ? Cmroot.localPath(pathToFile(src).getPath()) : null;
+    if (from != null) {
+      Cmroot.refuseRootRemoval(from, s, "the move of");
+    }
   }
 
   /**

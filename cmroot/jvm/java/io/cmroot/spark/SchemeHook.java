@@ -113,21 +113,28 @@ public final class SchemeHook {
   }
 
   /**
-   * Before a rename of `src` to `dst`: null to go on with it, else its result. A rename into
-   * a trash directory of warehouse data is its delete (the cmroot is the trash); a rename
-   * onto an existing data file recycles that file first; a LOAD DATA's move is refused.
+   * Before a rename of `src` to `dst` (`overwrite`: with Rename.OVERWRITE): null to go on
+   * with it, else its result. A rename into a trash directory of warehouse data is its
+   * delete (the cmroot is the trash). A rename of a root, or of a directory holding one, is
+   * refused: it takes the warehouse away as a delete would. Onto an existing data file, an
+   * overwriting rename recycles that file first; a plain one is refused, because whether it
+   * replaces the file is the file system's to say (HDFS and S3A refuse, a local disk
+   * replaces) and recycling ahead would make either a replacement. A LOAD DATA's move is
+   * refused too.
    */
-  public static Boolean renaming(FileSystem fs, Path src, Path dst) throws IOException {
+  public static Boolean renaming(FileSystem fs, Path src, Path dst, boolean overwrite)
+      throws IOException {
     Cmroot.Settings s = Cmroot.settings(fs.getConf());
     String from = place(fs, src, s);
     String to = place(fs, dst, s);
-    if (from == null || to == null) {
-      return null;
+    if (from == null || to == null || from.equals(to)) {
+      return null; // onto itself: the file system's own no-op (or refusal)
     }
     if (to.contains(TRASH)
         && (Cmroot.protectedPath(from, s) || Cmroot.rootWithin(from, s) != null)) {
       return delete(fs, src, true);
     }
+    Cmroot.refuseRootRemoval(from, s, "the move of");
     CmrootStatement st = CmrootStatement.current();
     Ctx ctx = st == null ? null : st.ctx;
     if (Ctx.protectedPath(to, s, ctx)) {
@@ -139,7 +146,14 @@ public final class SchemeHook {
           + ": LOAD DATA is not protected on " + Cmroot.scheme(to) + ":// yet. Nothing was"
           + " moved. Write the data with INSERT instead.", null);
     }
-    replacing(fs, dst);
+    if (overwrite) {
+      replacing(fs, dst);
+    } else if (!Cmroot.isHiddenName(Cmroot.name(to)) && Ctx.protectedPath(to, s, ctx)
+        && Cmroot.isFile(to)) {
+      throw new Cmroot.RecycleException("cmroot refuses to rename " + from + " onto the data"
+          + " file " + to + ": nothing was moved. Rename with Options.Rename.OVERWRITE (the"
+          + " old file is then kept by cmroot), or delete it first.", null);
+    }
     return null;
   }
 
