@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import errno
 import json
 import logging
@@ -63,6 +64,24 @@ def _count(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text}: write 1 or more")
     return n
+
+
+def _until(text: str) -> float:
+    """--until: a duration from now (7d), or an ISO date or time (UTC unless it says)."""
+    try:
+        return time.time() + cfg.parse_duration(text, "--until")
+    except ConfigError:
+        pass
+    try:
+        when = datetime.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: write a date or time (2026-12-01, 2026-12-01T18:00Z) or a duration"
+            " from now (7d, 36h)"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return when.timestamp()
 
 
 def _port(text: str) -> int:
@@ -133,9 +152,37 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--table")
     s.add_argument("--limit", type=_count, default=100)
     s.add_argument("--cursor", type=int)
+    s.add_argument(
+        "--all", action="store_true", help="show housekeeping files too (_SUCCESS, .*.crc)"
+    )
+
+    s = sub.add_parser(
+        "hold", parents=[common], help="keep a database's or table's recycled files past expiry"
+    )
+    hold = s.add_subparsers(dest="hold_verb", required=True, metavar="add|ls|rm")
+    h = hold.add_parser("add", parents=[common], help="hold DB or DB.TABLE until WHEN")
+    h.add_argument("name", metavar="DB[.TABLE]")
+    h.add_argument(
+        "--until", required=True, type=_until,
+        help="a date or time (2026-12-01, 2026-12-01T18:00, UTC unless an offset is given)"
+        " or a duration from now (7d, 36h)",
+    )
+    h.add_argument("--reason", required=True, help="why: shown by `hold ls` and logged")
+    h = hold.add_parser("ls", parents=[common], help="list holds in force")
+    h.add_argument("--all", action="store_true", help="holds past their time too")
+    h = hold.add_parser("rm", parents=[common], help="release a hold")
+    h.add_argument("id", type=_count, metavar="ID")
 
     s = sub.add_parser("gc", parents=[common], help="run a retention sweep now")
-    s.add_argument("--dry-run", action="store_true")
+    s.add_argument(
+        "--dry-run", action="store_true",
+        help="remove nothing: say which tables and partitions would lose files",
+    )
+    s.add_argument("--files", action="store_true", help="with --dry-run: the paths too")
+    s.add_argument(
+        "--all", action="store_true",
+        help="with --dry-run: housekeeping files (_SUCCESS, .*.crc) too",
+    )
 
     s = sub.add_parser(
         "checksum", parents=[common], help="xxh3-128 of files (paths or fsspec URLs)"
@@ -413,12 +460,25 @@ class _Direct:
             )
         return n
 
-    def entries(self, **kw: Any) -> dict[str, Any]:
-        rows = self.store.entries(**kw)
-        return {"entries": [e.to_json() for e in rows], "cursor": rows[-1].id if rows else None}
+    def entries(self, all: bool = True, **kw: Any) -> dict[str, Any]:
+        rows = self.store.listing(housekeeping=all, **kw)
+        return {"entries": rows, "cursor": rows[-1]["id"] if rows else None}
 
-    def gc(self, dry_run: bool, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-        return self.store.gc(dry_run, progress).to_json()
+    def add_hold(self, db: str, table: str | None, until: float, reason: str) -> dict[str, Any]:
+        return self.store.add_hold(db, table, until, reason).to_json()
+
+    def holds(self, everything: bool = False) -> dict[str, Any]:
+        return {"holds": [h.to_json() for h in self.store.holds(everything)]}
+
+    def remove_hold(self, hold_id: int) -> dict[str, Any]:
+        self.store.remove_hold(hold_id)
+        return {"removed": hold_id}
+
+    def gc(
+        self, dry_run: bool, progress: Callable[[int], None] | None = None,
+        files: bool = False, everything: bool = False,
+    ) -> dict[str, Any]:
+        return self.store.gc(dry_run, progress, files, everything).to_json()
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -563,22 +623,86 @@ def _get(args: argparse.Namespace) -> int:
 
 def _ls(args: argparse.Namespace) -> int:
     with _backend(args, readonly=True) as b:
-        res = b.entries(db=args.db, table=args.table, limit=args.limit, cursor=args.cursor)
-    _out(
-        args,
-        res,
-        lambda r: "\n".join(
-            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(e['recycled']))}  {e['op']:<16} "
-            f"{e['checksum']}  {e['size']:>12}  {e['path']}"
-            for e in r["entries"]
-        ),
-    )
+        res = b.entries(
+            db=args.db, table=args.table, limit=args.limit, cursor=args.cursor, all=args.all
+        )
+    _out(args, res, _ls_text)
     return 0
 
 
-def _gc(args: argparse.Namespace) -> int:
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.gmtime(t))
+
+
+def _ls_text(r: dict[str, Any]) -> str:
+    """A table with a header, one entry a line, the path last (it is the longest)."""
+    rows = [("RECYCLED (UTC)", "OP", "TABLE", "PARTITION", "SIZE", "EXPIRES (UTC)", "PATH")]
+    for e in r["entries"]:
+        table = ".".join(x for x in (e.get("db"), e.get("table")) if x) or "-"
+        part = ",".join(f"{k}={v}" for k, v in (e.get("partition") or {}).items()) or "-"
+        held = e.get("held_until")
+        expires = _utc(e["expires"]) + (f" held to {_utc(held)}" if held else "")
+        rows.append((_utc(e["recycled"]), e["op"], table, part, _bytes(e["size"]), expires,
+                     e["path"]))
+    if len(rows) == 1:
+        return "no entries"
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
+             for row in rows]
+    if r.get("cursor"):
+        lines.append(f"(more: --cursor {r['cursor']})")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _hold(args: argparse.Namespace) -> int:
     with _backend(args) as b:
-        res = b.gc(args.dry_run, progress=Progress("removed objects", not args.quiet))
+        if args.hold_verb == "add":
+            db, _, table = args.name.partition(".")
+            res = b.add_hold(db, table or None, args.until, args.reason)
+            _out(args, res, lambda h: f"hold {h['id']} on {_held_name(h)} until "
+                                      f"{_utc(h['until'])} UTC")
+        elif args.hold_verb == "ls":
+            res = b.holds(args.all)
+            _out(args, res, _holds_text)
+        else:
+            res = b.remove_hold(args.id)
+            _out(args, res, lambda r: f"hold {r['removed']} released")
+    return 0
+
+
+def _held_name(h: dict[str, Any]) -> str:
+    return f"{h['db']}.{h['table']}" if h.get("table") else f"{h['db']} (every table)"
+
+
+def _holds_text(r: dict[str, Any]) -> str:
+    if not r["holds"]:
+        return "no holds"
+    rows = [("ID", "HOLDS", "UNTIL (UTC)", "SINCE (UTC)", "REASON")]
+    rows += [(str(h["id"]), _held_name(h), _utc(h["until"]), _utc(h["created"]), h["reason"])
+             for h in r["holds"]]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
+        for row in rows
+    )
+
+
+def _gc(args: argparse.Namespace) -> int:
+    if (args.files or args.all) and not args.dry_run:
+        raise BadRequest("--files and --all go with --dry-run",
+                         "a sweep reports counts; `cmroot gc --dry-run --files` names files")
+    with _backend(args) as b:
+        res = b.gc(args.dry_run, progress=Progress("removed objects", not args.quiet),
+                   files=args.files, everything=args.all)
     _out(args, res, _gc_text)
     return 1 if _gc_failures(res)[0] else 0
 
@@ -602,6 +726,32 @@ def _gc_text(r: dict[str, Any]) -> str:
         f"{failed} failed, {r['skipped']} skipped (in use)"
         + (f" in {r['duration']:.1f}s" if isinstance(r.get("duration"), (int, float)) else "")
     ]
+    if r.get("evicted_objects"):
+        lines.append(
+            f"{'would evict' if r['dry_run'] else 'evicted'} {r['evicted_objects']} of them"
+            f" ({r['evicted_bytes']} bytes) before their expiry: the store is over"
+            f" store.max_bytes ({r['budget_bytes']} bytes)"
+        )
+    if r.get("held_objects"):
+        lines.append(
+            f"kept {r['held_objects']} expired objects ({r['held_bytes']} bytes) for holds"
+            " (cmroot hold ls)"
+        )
+    if r.get("over_budget_bytes"):
+        lines.append(
+            f"still {r['over_budget_bytes']} bytes over store.max_bytes: the rest is younger"
+            " than store.min_retain or held"
+        )
+    for t in r.get("tables") or []:
+        name = ".".join(x for x in (t["db"], t["table"]) if x) or "(no table)"
+        part = f" [{t['partition']}]" if t.get("partition") else ""
+        lines.append(f"  {name}{part}: {t['files']} files, {_bytes(t['bytes'])}")
+    if r.get("tables_truncated"):
+        lines.append("  ... more tables: --json lists the first 1,000")
+    for f in r.get("files") or []:
+        lines.append(f"  {f['path']}  {_bytes(f['size'])}")
+    if r.get("files_truncated"):
+        lines.append("  ... more files: --json lists the first 1,000")
     lines += [f"failed {f['checksum']}: {f['error']}" for f in failures[:_GC_SHOWN]]
     if failed > min(len(failures), _GC_SHOWN):
         lines.append(f"... {failed - min(len(failures), _GC_SHOWN)} more failures not shown")
@@ -890,6 +1040,7 @@ _VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "resolve": _resolve,
     "get": _get,
     "ls": _ls,
+    "hold": _hold,
     "gc": _gc,
     "checksum": _checksum,
     "fsck": _fsck,

@@ -273,7 +273,11 @@ class Client:
                 self.close()
 
     def entries(self, **kw: Any) -> dict[str, Any]:
-        query = urlencode({k: v for k, v in kw.items() if v is not None})
+        """A page of GET /v1/entries; kw: db, table, limit, cursor, all (bool)."""
+        query = urlencode(
+            {k: (str(v).lower() if isinstance(v, bool) else v) for k, v in kw.items()
+             if v is not None}
+        )
         return self._json("GET", "/v1/entries?" + query)
 
     def events(self, start: int = 0, limit: int = 100) -> list[dict[str, Any]]:
@@ -337,9 +341,28 @@ class Client:
         return int(self._json("POST", "/v1/events", {"eventType": event_type, **kw})["id"])
 
     def gc(
-        self, dry_run: bool = False, progress: Callable[[int], None] | None = None
+        self, dry_run: bool = False, progress: Callable[[int], None] | None = None,
+        files: bool = False, everything: bool = False,
     ) -> dict[str, Any]:
-        return self._json("POST", f"/v1/gc?dry_run={'true' if dry_run else 'false'}")
+        """POST /v1/gc; a dry run names what would go (`files`: the files, `everything`:
+        housekeeping files too)."""
+        query = {"dry_run": dry_run, **({"files": True} if files else {}),
+                 **({"all": True} if everything else {})}
+        return self._json("POST", "/v1/gc?" + urlencode(
+            {k: str(v).lower() for k, v in query.items()}))
+
+    def add_hold(
+        self, db: str, table: str | None, until: float, reason: str
+    ) -> dict[str, Any]:
+        return self._json(
+            "POST", "/v1/holds", {"db": db, "table": table, "until": until, "reason": reason}
+        )
+
+    def holds(self, everything: bool = False) -> dict[str, Any]:
+        return self._json("GET", f"/v1/holds?all={'true' if everything else 'false'}")
+
+    def remove_hold(self, hold_id: int) -> dict[str, Any]:
+        return self._json("DELETE", f"/v1/holds/{hold_id}")
 
     def healthy(self) -> bool:
         try:

@@ -52,6 +52,23 @@ def parse_duration(text: str | int | float, key: str = "duration") -> float:
     return seconds
 
 
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?B|B)?\s*", re.IGNORECASE)
+_SIZE_UNITS = {"b": 1, **{f"{p}b": 1000 ** (i + 1) for i, p in enumerate("kmgtp")},
+               **{f"{p}ib": 1024 ** (i + 1) for i, p in enumerate("kmgtp")}}
+
+
+def parse_size(text: str | int, key: str = "size") -> int:
+    """`500GiB`, `2TB`, `1048576` (bytes) → bytes; 0 means no limit."""
+    if _is_number(text) and float(text) >= 0 and float(text) == int(text):
+        return int(text)
+    m = _SIZE.fullmatch(text) if isinstance(text, str) else None
+    if m is None:
+        raise ConfigError(
+            f"bad size for {key}", f"{text!r}: write bytes, or a size like 500GiB or 2TB"
+        )
+    return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()])
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -79,6 +96,10 @@ class StoreConfig:
     # How long a prepared (two-phase) recycle waits for its commit before it is rolled
     # back; its statement renews it while it runs.
     prepare_lease: float = 300.0
+    # The store's byte budget (0: none): over it, the sweep evicts the oldest objects
+    # before they expire, never one recycled less than `min_retain` ago nor one held.
+    max_bytes: int = 0
+    min_retain: float = 3600.0
 
     def retain_for(self, db: str | None, table: str | None) -> float:
         if db is not None or table is not None:
@@ -215,6 +236,8 @@ def _env_value(cls: type[Any], key: str, value: str, name: str) -> Any:
                 f"bad value for {name}", "write glob=duration pairs: sales.*=7d,tmp.*=1h"
             )
         return {k.strip(): v.strip() for k, v in pairs}
+    if key == "max_bytes":
+        return value  # a size with its unit: parse_size reads it
     if isinstance(default, tuple):
         return [v.strip() for v in value.split(",") if v.strip()]
     if isinstance(default, bool):
@@ -273,6 +296,8 @@ def _build(raw: dict[str, dict[str, Any]], source: str) -> Config:
         ),
         enabled=bool(s.get("enabled", True)),
         prepare_lease=parse_duration(s.get("prepare_lease", "5m"), "store.prepare_lease"),
+        max_bytes=parse_size(s.get("max_bytes", 0), "store.max_bytes"),
+        min_retain=parse_duration(s.get("min_retain", "1h"), "store.min_retain"),
     )
     srv = raw["server"]
     try:

@@ -4,6 +4,7 @@ read from the index's running totals at scrape time by a collector, never by lis
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -16,7 +17,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from cmroot.index import Index
+if TYPE_CHECKING:
+    from cmroot.store import Store
 
 # Seconds: API calls take milliseconds, a resolve that hashes or a download minutes.
 _REQUEST_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.5, 1, 5, 30, 120, 600)
@@ -48,6 +50,16 @@ class Metrics:
         )
         self.gc_deleted_bytes = Counter(
             "cmroot_gc_deleted_bytes", "Bytes removed by retention sweeps.", registry=registry
+        )
+        self.gc_evicted_objects = Counter(
+            "cmroot_gc_evicted_objects",
+            "Objects removed before their expiry to keep the store within store.max_bytes.",
+            registry=registry,
+        )
+        self.gc_evicted_bytes = Counter(
+            "cmroot_gc_evicted_bytes",
+            "Bytes removed before their expiry to keep the store within store.max_bytes.",
+            registry=registry,
         )
         self.gc_duration = Histogram(
             "cmroot_gc_duration_seconds",
@@ -113,11 +125,35 @@ class Metrics:
 class StoreCollector(Collector):
     """Store gauges computed from the index when Prometheus scrapes."""
 
-    def __init__(self, index: Index) -> None:
-        self.index = index
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.index = store.index
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         objects, size, oldest = self.index.stats()
+        now = self.store.clock()
+        budget = self.store.config.max_bytes
+        yield GaugeMetricFamily(
+            "cmroot_store_budget_bytes",
+            "The store's byte budget, store.max_bytes (0: none).",
+            value=budget,
+        )
+        yield GaugeMetricFamily(
+            "cmroot_store_over_budget_bytes",
+            "Bytes the store holds beyond its budget (0 when within it or with none): what"
+            " is left is younger than store.min_retain, or held.",
+            value=max(0, size - budget) if budget else 0,
+        )
+        yield GaugeMetricFamily(
+            "cmroot_holds", "Holds in force (cmroot hold ls).", value=len(self.index.holds(now))
+        )
+        held_objects, held_bytes = self.index.held_totals(now)
+        yield GaugeMetricFamily(
+            "cmroot_held_objects", "Expired objects a hold keeps.", value=held_objects
+        )
+        yield GaugeMetricFamily(
+            "cmroot_held_bytes", "Bytes of expired objects a hold keeps.", value=held_bytes
+        )
         yield GaugeMetricFamily("cmroot_store_objects", "Objects in the store.", value=objects)
         yield GaugeMetricFamily("cmroot_store_bytes", "Bytes in the store.", value=size)
         yield GaugeMetricFamily(

@@ -136,7 +136,7 @@ def test_commit_recycle_records_event_entries_objects_and_closes_journal(index: 
     ) == (c(1), 10, 100.0, 150.0, "DROP_TABLE", "db", "t", {"p": "1"}, False, eid)
     assert got[0].partition is None and got[0].purge is True
     o = index.get_object(c(1))
-    assert o == StoredObject(c(1), 10, 100.0, 150.0, True)
+    assert o == StoredObject(c(1), 10, 100.0, 150.0, True, 100.0)
     assert index.get_object(c(2)).keep is False  # only purged entries: delete at expiry
     [e] = index.events()
     assert (e.id, e.type, e.partitions, e.files[0]["path"]) == (
@@ -251,7 +251,7 @@ def test_register_object_never_overwrites(index: Index) -> None:
     index.register_object(StoredObject(c(1), 99, 0.0, 1.0, False))
     assert index.get_object(c(1)).expires == 150
     index.register_object(StoredObject(c(2), 3, 5.0, 6.0, True))
-    assert index.get_object(c(2)) == StoredObject(c(2), 3, 5.0, 6.0, True)
+    assert index.get_object(c(2)) == StoredObject(c(2), 3, 5.0, 6.0, True, 5.0)  # last: created
     assert set(index.objects_between("0", "g")) == {c(1), c(2)}
 
 
@@ -298,7 +298,7 @@ def test_checksum_cache_is_bounded(index: Index) -> None:
 
 def test_transaction_rolls_back_on_error(index: Index) -> None:
     with pytest.raises(RuntimeError), index.transaction() as db:
-        db.execute("INSERT INTO objects VALUES (?, 1, 1, 1, 1)", (c(1),))
+        db.execute("INSERT INTO objects VALUES (?, 1, 1, 1, 1, 1)", (c(1),))
         raise RuntimeError("boom")
     assert index.get_object(c(1)) is None
     # and the connection is usable afterwards

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -31,9 +31,12 @@ class Base:
         self._db.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
+        # Its own lock, not the writer's: a thread's first read must not wait behind a
+        # stream of write transactions (two writers in a loop starved a reader for minutes).
+        self._readers_lock = threading.Lock()
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, self._readers_lock:
             self._db.close()
             for conn in self._readers:
                 conn.close()
@@ -50,7 +53,7 @@ class Base:
             conn.execute("PRAGMA busy_timeout=30000")
             conn.execute(f"PRAGMA cache_size=-{READER_CACHE_KIB}")
             self._local.conn = conn
-            with self._lock:
+            with self._readers_lock:
                 self._readers.append(conn)
         return conn
 
@@ -67,7 +70,7 @@ class Base:
                 raise
             self._db.execute("COMMIT")
 
-    def _query(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+    def _query(self, sql: str, args: Sequence[Any] | Mapping[str, Any] = ()) -> list[Any]:
         return self._reader().execute(sql, args).fetchall()
 
 

@@ -15,6 +15,10 @@ _ENTRY_COLUMNS = (
 )
 
 
+# Files a job leaves beside its data: kept like any other, hidden from readable listings.
+_NOT_HOUSEKEEPING = r"NOT (path GLOB '*/_SUCCESS' OR path GLOB '*/.*.crc')"
+
+
 class Catalog(Base):
     def _record_entries(
         self, db: sqlite3.Connection, entries: Sequence[Entry], event_id: int
@@ -42,15 +46,19 @@ class Catalog(Base):
             ),
         )
         db.executemany(
-            "INSERT INTO objects (checksum, size, created, expires, keep)"
-            " VALUES (?, ?, ?, ?, ?) ON CONFLICT(checksum) DO UPDATE SET"
-            " expires = max(expires, excluded.expires), keep = max(keep, excluded.keep)",
-            ((e.checksum, e.size, e.recycled, e.expires, int(not e.purge)) for e in entries),
+            "INSERT INTO objects (checksum, size, created, expires, keep, last)"
+            " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(checksum) DO UPDATE SET"
+            " expires = max(expires, excluded.expires), keep = max(keep, excluded.keep),"
+            " last = max(last, excluded.last)",
+            (
+                (e.checksum, e.size, e.recycled, e.expires, int(not e.purge), e.recycled)
+                for e in entries
+            ),
         )
 
     def get_object(self, checksum: str) -> StoredObject | None:
         rows = self._query(
-            "SELECT checksum, size, created, expires, keep FROM objects WHERE checksum = ?",
+            "SELECT checksum, size, created, expires, keep, last FROM objects WHERE checksum = ?",
             (checksum,),
         )
         return _object(rows[0]) if rows else None
@@ -78,10 +86,15 @@ class Catalog(Base):
         limit: int = 100,
         cursor: int | None = None,
         checksum: str | None = None,
+        housekeeping: bool = True,
     ) -> list[Entry]:
-        """Entries newest first; `cursor` is the id of the last entry of the previous page."""
+        """Entries newest first; `cursor` is the id of the last entry of the previous page.
+        Without `housekeeping`, job markers and checksum sidecars (`_SUCCESS`, `.*.crc`)
+        are left out."""
         where: list[str] = []
         args: list[Any] = []
+        if not housekeeping:
+            where.append(_NOT_HOUSEKEEPING)
         for column, value in (("db", db), ("tbl", table), ("checksum", checksum)):
             if value is not None:
                 where.append(f"{column} = ?")
@@ -96,6 +109,21 @@ class Catalog(Base):
         )
         return [_entry(r) for r in self._query(sql, [*args, limit])]
 
+    def entries_of(self, checksums: list[str], housekeeping: bool = True) -> list[Entry]:
+        """Every entry of these objects (what a sweep of them takes away), in id order."""
+        out: list[Entry] = []
+        hide = f" AND {_NOT_HOUSEKEEPING}" if not housekeeping else ""
+        for chunk in chunks(checksums):
+            out += [
+                _entry(r)
+                for r in self._query(
+                    f"SELECT {_ENTRY_COLUMNS} FROM entries"
+                    f" WHERE checksum IN ({','.join('?' * len(chunk))}){hide} ORDER BY id",
+                    chunk,
+                )
+            ]
+        return out
+
     def stats(self) -> tuple[int, int, float | None]:
         """(objects, bytes, oldest object's creation time)."""
         n, total = self._query("SELECT objects, bytes FROM stats")[0]
@@ -107,53 +135,11 @@ class Catalog(Base):
         return {
             r[0]: _object(r)
             for r in self._query(
-                "SELECT checksum, size, created, expires, keep FROM objects"
+                "SELECT checksum, size, created, expires, keep, last FROM objects"
                 " WHERE checksum >= ? AND checksum < ?",
                 (low, high),
             )
         }
-
-    # -- retention ---------------------------------------------------------------------
-    def expired(
-        self, now: float, limit: int, after: tuple[float, str] | None = None
-    ) -> list[StoredObject]:
-        """Expired objects in (expires, checksum) order, the page after `after`."""
-        last_expires, last_checksum = after or (float("-inf"), "")
-        rows = self._query(
-            "SELECT checksum, size, created, expires, keep FROM objects"
-            " WHERE expires <= ? AND (expires, checksum) > (?, ?)"
-            " ORDER BY expires, checksum LIMIT ?",
-            (now, last_expires, last_checksum, limit),
-        )
-        return [_object(r) for r in rows]
-
-    def still_expired(self, checksums: list[str], now: float) -> set[str]:
-        """Of these objects, those still indexed and expired at `now`."""
-        out: set[str] = set()
-        for chunk in chunks(checksums):
-            out.update(
-                r[0]
-                for r in self._query(
-                    f"SELECT checksum FROM objects WHERE checksum IN ({','.join('?' * len(chunk))})"
-                    " AND expires <= ?",
-                    [*chunk, now],
-                )
-            )
-        return out
-
-    def forget_expired(self, checksums: Sequence[str], now: float) -> None:
-        """Drop objects still expired at `now`, with their entries. An object recycled again
-        since it was picked has a later expiry and stays."""
-        with self.transaction() as db:
-            db.executemany(
-                "DELETE FROM objects WHERE checksum = ? AND expires <= ?",
-                ((c, now) for c in checksums),
-            )
-            db.executemany(
-                "DELETE FROM entries WHERE checksum = ? AND NOT EXISTS"
-                " (SELECT 1 FROM objects WHERE checksum = ?)",
-                ((c, c) for c in checksums),
-            )
 
     def forget(self, checksums: Sequence[str]) -> None:
         """Drop objects and their entries whatever their expiry (fsck repair)."""
@@ -164,13 +150,15 @@ class Catalog(Base):
     def register_object(self, obj: StoredObject) -> None:
         with self.transaction() as db:
             db.execute(
-                "INSERT OR IGNORE INTO objects VALUES (?, ?, ?, ?, ?)",
-                (obj.checksum, obj.size, obj.created, obj.expires, int(obj.keep)),
+                "INSERT OR IGNORE INTO objects (checksum, size, created, expires, keep, last)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (obj.checksum, obj.size, obj.created, obj.expires, int(obj.keep),
+                 obj.last or obj.created),
             )
 
 
 def _object(r: Sequence[Any]) -> StoredObject:
-    return StoredObject(r[0], r[1], r[2], r[3], bool(r[4]))
+    return StoredObject(r[0], r[1], r[2], r[3], bool(r[4]), r[5])
 
 
 def _entry(r: Sequence[Any]) -> Entry:

@@ -47,6 +47,24 @@ class StoredObject:
     created: float
     expires: float
     keep: bool
+    last: float = 0.0  # its newest entry's recycle time (0: unknown, taken as `created`)
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Everything recycled from database `db` (or its table `table` only) is kept past
+    its expiry until `until`."""
+
+    id: int
+    db: str
+    table: str | None
+    created: float
+    until: float
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "db": self.db, "table": self.table, "created": self.created,
+                "until": self.until, "reason": self.reason}
 
 
 @dataclass(frozen=True)

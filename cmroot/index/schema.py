@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from cmroot.exceptions import ConfigError
 
-VERSION = 5
+VERSION = 6
 
 SCHEMA = """
 CREATE TABLE objects (
@@ -20,10 +20,12 @@ CREATE TABLE objects (
     size     INTEGER NOT NULL,
     created  REAL NOT NULL,
     expires  REAL NOT NULL,
-    keep     INTEGER NOT NULL      -- 1 if any entry was not purged: trash it at expiry
+    keep     INTEGER NOT NULL,     -- 1 if any entry was not purged: trash it at expiry
+    last     REAL NOT NULL         -- its newest entry's recycle time (the budget's age)
 ) WITHOUT ROWID;
 CREATE INDEX objects_expires ON objects(expires);
 CREATE INDEX objects_created ON objects(created);
+CREATE INDEX objects_last ON objects(last);
 
 -- Running totals kept by triggers, so a metrics scrape costs O(1), not a scan.
 CREATE TABLE stats (
@@ -90,6 +92,17 @@ CREATE TABLE event_files (
 -- refuses dumps of another.
 CREATE TABLE settings (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 INSERT INTO settings VALUES ('log_id', lower(hex(randomblob(16))));
+
+-- Holds: everything recycled from a database (tbl NULL) or one table is kept past its
+-- expiry until `until`. Names are kept lowercase, as the metastore keeps them.
+CREATE TABLE holds (
+    id      INTEGER PRIMARY KEY AUTOINCREMENT,
+    db      TEXT NOT NULL,
+    tbl     TEXT,
+    created REAL NOT NULL,
+    until   REAL NOT NULL,
+    reason  TEXT NOT NULL
+);
 
 -- The recycle journal: a transaction and, per file, where it is staged and how.
 CREATE TABLE txs (
@@ -240,8 +253,23 @@ def _v5(db: sqlite3.Connection) -> None:
     db.execute("INSERT INTO settings VALUES ('log_id', lower(hex(randomblob(16))))")
 
 
+def _v6(db: sqlite3.Connection) -> None:
+    """Holds, and each object's newest recycle time (the capacity guard evicts the
+    oldest first), taken from its entries."""
+    db.execute(
+        "CREATE TABLE holds (id INTEGER PRIMARY KEY AUTOINCREMENT, db TEXT NOT NULL,"
+        " tbl TEXT, created REAL NOT NULL, until REAL NOT NULL, reason TEXT NOT NULL)"
+    )
+    db.execute("ALTER TABLE objects ADD COLUMN last REAL NOT NULL DEFAULT 0")
+    db.execute(
+        "UPDATE objects SET last = coalesce((SELECT max(recycled) FROM entries e"
+        " WHERE e.checksum = objects.checksum), created)"
+    )
+    db.execute("CREATE INDEX objects_last ON objects(last)")
+
+
 MIGRATIONS: list[tuple[int, Callable[[sqlite3.Connection], None]]] = [
-    (1, _v1), (2, _v2), (3, _v3), (4, _v4), (5, _v5)
+    (1, _v1), (2, _v2), (3, _v3), (4, _v4), (5, _v5), (6, _v6)
 ]
 
 

@@ -156,7 +156,7 @@ class Service:
         # global to the library; the daemon exposes one registry, this one.
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.metrics = Metrics(registry)
-        registry.register(StoreCollector(store.index))
+        registry.register(StoreCollector(store))
         self.work = {
             name: WorkClass(name, limit, workers or limit.workers, self.metrics)
             for name, limit in LIMITS.items()
@@ -166,17 +166,21 @@ class Service:
         # Mismatches the store finds (objects quarantined, files changed while served).
         store.reader.on_mismatch = self.metrics.checksum_mismatches.inc
 
-    def gc(self, dry_run: bool = False) -> SweepReport:
+    def gc(self, dry_run: bool = False, files: bool = False, everything: bool = False
+           ) -> SweepReport:
         """One sweep at a time, scheduled or asked for: a second one is refused (409), not
         queued behind the first (a queued one would hold a worker for as long). A sweep
-        stops between two batches once `stopping` is set. Metrics for real sweeps."""
+        stops between two batches once `stopping` is set. Metrics for real sweeps. A dry
+        run names what would go (`files`: the files too; `everything`: housekeeping
+        files included)."""
         if not self._gc_lock.acquire(blocking=False):
             raise Conflict(
                 "a retention sweep is already running", "try again once it has finished"
             )
         try:
             if dry_run:
-                return self.store.gc(dry_run=True, progress=self._stop_if_stopping)
+                return self.store.gc(dry_run=True, progress=self._stop_if_stopping,
+                                     files=files, housekeeping=everything)
             m = self.metrics
             try:
                 with m.gc_duration.time():
@@ -191,6 +195,8 @@ class Service:
             m.gc_runs.labels("failure" if report.failed else "success").inc()
             m.gc_deleted_objects.inc(report.removed_objects)
             m.gc_deleted_bytes.inc(report.removed_bytes)
+            m.gc_evicted_objects.inc(report.evicted_objects)
+            m.gc_evicted_bytes.inc(report.evicted_bytes)
             if not report.failed:
                 m.gc_last_success.set(self.store.clock())
             log.info(
@@ -200,6 +206,9 @@ class Service:
                     "bytes": report.removed_bytes,
                     "failed": report.failed,
                     "skipped": report.skipped,
+                    "evicted": report.evicted_objects,
+                    "held": report.held_objects,
+                    "over_budget_bytes": report.over_budget_bytes,
                 },
             )
             return report
@@ -276,6 +285,9 @@ def create_app(service: Service, max_body: int) -> web.Application:
     r.add_get("/v1/events/{id:[0-9]+}/files", _route("admin", w["other"], event_files))
     r.add_post("/v1/events", _route("write", w["recycle"], add_event))
     r.add_post("/v1/gc", _route("admin", w["other"], gc))
+    r.add_get("/v1/holds", _route("read", w["other"], holds))
+    r.add_post("/v1/holds", _route("admin", w["other"], add_hold))
+    r.add_delete("/v1/holds/{id}", _route("admin", w["other"], remove_hold))
     r.add_get("/metrics", _route(None, w["probe"], metrics))
     r.add_get("/healthz", healthz)  # on the event loop alone: no class to wait for
     r.add_get("/readyz", _route(None, w["probe"], readyz))
@@ -715,13 +727,10 @@ def _tail_if_unchanged(svc: Service, v: Verified, offset: int, count: int) -> by
 async def entries(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     q = _query(request, schemas.EntriesQuery)
-    rows = await _run(request, svc.store.entries, q.db, q.table, q.limit, q.cursor or None)
-    return _json(
-        {
-            "entries": [e.to_json() for e in rows],
-            "cursor": rows[-1].id if len(rows) == q.limit else None,
-        }
+    rows = await _run(
+        request, svc.store.listing, q.db, q.table, q.limit, q.cursor or None, q.all
     )
+    return _json({"entries": rows, "cursor": rows[-1]["id"] if len(rows) == q.limit else None})
 
 
 async def events(request: web.Request) -> web.Response:
@@ -776,8 +785,36 @@ async def add_event(request: web.Request) -> web.Response:
 
 async def gc(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
-    report = await _run(request, svc.gc, _query(request, schemas.GcQuery).dry_run)
+    q = _query(request, schemas.GcQuery)
+    if (q.files or q.all) and not q.dry_run:
+        raise BadRequest("files and all go with dry_run",
+                         "a real sweep reports counts; ask dry_run=true&files=true for names")
+    report = await _run(request, svc.gc, q.dry_run, q.files, q.all)
     return _json(report.to_json())
+
+
+async def holds(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    q = _query(request, schemas.HoldsQuery)
+    rows = await _run(request, svc.store.holds, q.all)
+    return _json({"holds": [h.to_json() for h in rows]})
+
+
+async def add_hold(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    body = await _body(request, schemas.HoldBody)
+    hold = await _run(request, svc.store.add_hold, body.db, body.table, body.until, body.reason)
+    return _json(hold.to_json())
+
+
+async def remove_hold(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    _query(request, schemas.NoQuery)
+    raw = request.match_info["id"]
+    if not raw.isdigit() or len(raw) > 18:
+        raise BadRequest("bad hold id", f"{raw[:50]!r}: give the number `cmroot hold ls` shows")
+    await _run(request, svc.store.remove_hold, int(raw))
+    return _json({"removed": int(raw)})
 
 
 async def metrics(request: web.Request) -> web.Response:

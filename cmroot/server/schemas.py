@@ -179,6 +179,7 @@ class EntriesQuery(Struct, forbid_unknown_fields=True, frozen=True):
     table: Name | None = None
     limit: Page = 100
     cursor: EventId = 0
+    all: bool = True  # false: leave out housekeeping files (_SUCCESS, .*.crc)
 
 
 class EventsQuery(Struct, forbid_unknown_fields=True, frozen=True, rename={"start": "from"}):
@@ -195,10 +196,27 @@ class EventFilesQuery(Struct, forbid_unknown_fields=True, frozen=True):
     limit: Annotated[int, Meta(ge=1, le=100_000)] = 100_000
 
 
+class HoldBody(Struct, forbid_unknown_fields=True, frozen=True):
+    """POST /v1/holds (the store checks the names and that `until` is ahead)."""
+
+    db: Name
+    until: Annotated[float, Meta(ge=0, le=MAX_TIMESTAMP)]
+    reason: Annotated[str, Meta(min_length=1, max_length=1000)]
+    table: Name | None = None
+
+
+class HoldsQuery(Struct, forbid_unknown_fields=True, frozen=True):
+    """GET /v1/holds: `all` lists holds past their `until` too."""
+
+    all: bool = False
+
+
 class GcQuery(Struct, forbid_unknown_fields=True, frozen=True):
-    """POST /v1/gc."""
+    """POST /v1/gc; `files` and `all` shape a dry run's names."""
 
     dry_run: bool = False
+    files: bool = False
+    all: bool = False
 
 
 class NoQuery(Struct, forbid_unknown_fields=True, frozen=True):
@@ -209,7 +227,8 @@ class NoQuery(Struct, forbid_unknown_fields=True, frozen=True):
 
 S = TypeVar("S", bound=Struct)
 _DECODERS: dict[type[Any], msgspec.json.Decoder[Any]] = {
-    cls: msgspec.json.Decoder(cls) for cls in (RecycleBody, ResolveBody, EventBody, RenewBody)
+    cls: msgspec.json.Decoder(cls)
+    for cls in (RecycleBody, ResolveBody, EventBody, RenewBody, HoldBody)
 }
 _INT = re.compile(r"-?[0-9]{1,19}")
 _BOOLS = {"true": True, "1": True, "false": False, "0": False}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -15,7 +16,7 @@ from typing import Any
 from cmroot import checksum as cks
 from cmroot.config import Config, StoreConfig, local_path
 from cmroot.exceptions import BadRequest, CmrootError, ConfigError, Forbidden, NotFound
-from cmroot.index import Entry, Event, Index
+from cmroot.index import Entry, Event, Hold, Index
 from cmroot.store.fsck import LIMIT as FSCK_LIMIT
 from cmroot.store.fsck import FsckReport, fsck
 from cmroot.store.journal import Recovery
@@ -31,7 +32,7 @@ from cmroot.store.recycle import (
     validate_partitions,
 )
 from cmroot.store.resolve import Renames, Resolution, Resolver, parse_pairs
-from cmroot.store.sweep import SweepReport, sweep
+from cmroot.store.sweep import Budget, SweepReport, sweep
 from cmroot.store.warehouse import Located, Warehouse
 from cmroot.vocab import METADATA_DROPS, RECORDABLE
 
@@ -46,6 +47,11 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# A database or table name as Hive keeps it (no dots: DB.TABLE is split before this).
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]{0,127}")
+MAX_REASON = 1000
+MAX_HOLD_UNTIL = 1e11  # seconds since the epoch: year 5138
 
 
 class Store:
@@ -235,10 +241,58 @@ class Store:
         return clean
 
     def gc(
-        self, dry_run: bool = False, progress: Callable[[int], None] | None = None
+        self, dry_run: bool = False, progress: Callable[[int], None] | None = None,
+        files: bool = False, housekeeping: bool = False,
     ) -> SweepReport:
+        """A retention sweep (expiry, then the byte budget). A dry run names the tables and
+        partitions whose files would go, and with `files` the files (`housekeeping`:
+        `_SUCCESS` and `.*.crc` too)."""
         trash = self.config.on_expire == "trash"
-        return sweep(self.index, self.objects, self.clock(), trash, dry_run, progress)
+        budget = Budget(self.config.max_bytes, self.config.min_retain)
+        return sweep(
+            self.index, self.objects, self.clock(), trash, dry_run, progress, budget=budget,
+            list_files=files, housekeeping=housekeeping,
+        )
+
+    # -- holds ----------------------------------------------------------------------------
+    def add_hold(self, db: object, table: object, until: object, reason: object) -> Hold:
+        """Keep everything recycled from `db` (or its `table`) past its expiry, and out of
+        the budget's evictions, until `until` (seconds since the epoch)."""
+        now = self.clock()
+        for name, value, optional in (("db", db, False), ("table", table, True)):
+            if value is None and optional:
+                continue
+            if not isinstance(value, str) or not _NAME.fullmatch(value):
+                raise BadRequest(
+                    f"bad {name}",
+                    f"{value!r}: give a {'table' if optional else 'database'} name (letters,"
+                    " digits, _ and -, as the metastore writes it)",
+                )
+        if (
+            not isinstance(until, (int, float)) or isinstance(until, bool)
+            or not now < until <= MAX_HOLD_UNTIL
+        ):
+            raise BadRequest(
+                "bad until", f"{until!r}: give a time in the future (seconds since the epoch)"
+            )
+        if not isinstance(reason, str) or not reason.strip() or len(reason) > MAX_REASON:
+            raise BadRequest(
+                "bad reason", f"say why the hold is needed, in at most {MAX_REASON} characters"
+            )
+        assert isinstance(db, str) and (table is None or isinstance(table, str))
+        hold = self.index.add_hold(db, table, float(until), reason.strip(), now)
+        log.info("hold added", extra={"hold": hold.id, "db": hold.db, "table": hold.table,
+                                      "until": hold.until, "reason": hold.reason})
+        return hold
+
+    def holds(self, everything: bool = False) -> list[Hold]:
+        """Active holds; with `everything`, those past their `until` too."""
+        return self.index.holds(None if everything else self.clock())
+
+    def remove_hold(self, hold_id: int) -> None:
+        if not self.index.remove_hold(hold_id):
+            raise NotFound("no such hold", f"hold {hold_id} does not exist: see `cmroot hold ls`")
+        log.info("hold removed", extra={"hold": hold_id})
 
     def fsck(
         self,
@@ -305,8 +359,28 @@ class Store:
         table: str | None = None,
         limit: int = 100,
         cursor: int | None = None,
+        housekeeping: bool = True,
     ) -> list[Entry]:
-        return self.index.entries(db, table, limit, cursor)
+        """A page of entries, newest first (`housekeeping`: `_SUCCESS`, `.*.crc` too)."""
+        return self.index.entries(db, table, limit, cursor, housekeeping=housekeeping)
+
+    def listing(
+        self,
+        db: str | None = None,
+        table: str | None = None,
+        limit: int = 100,
+        cursor: int | None = None,
+        housekeeping: bool = True,
+    ) -> list[dict[str, Any]]:
+        """`entries` as JSON, each saying until when a hold keeps it (`held_until`, null
+        if none does): what GET /v1/entries and `cmroot ls` show."""
+        rows = self.entries(db, table, limit, cursor, housekeeping)
+        held = self.index.held_until({(e.db, e.table) for e in rows}, self.clock())
+        return [{**e.to_json(), "held_until": held.get(_hold_key(e))} for e in rows]
 
     def events(self, start: int = 0, limit: int = 100) -> list[Event]:
         return self.index.events(start, limit)
+
+
+def _hold_key(e: Entry) -> tuple[str, str | None]:
+    return ((e.db or "").lower(), e.table.lower() if e.table is not None else None)

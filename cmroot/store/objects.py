@@ -14,7 +14,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from cmroot import checksum as cks
 from cmroot.exceptions import Conflict
@@ -137,18 +137,20 @@ class Objects:
                 os.unlink(self.layout.object_path(checksum))
             return True
 
-    def remove_expired(
-        self, objs: Sequence[StoredObject], now: float, trash: bool
+    def remove(
+        self, objs: Sequence[StoredObject], still: Callable[[list[str]], set[str]],
+        now: float, trash: bool,
     ) -> list[tuple[StoredObject, str | None]]:
-        """Delete (or, when `trash` and the object was not purged, trash) expired objects.
-        Each comes back with "deleted", "trashed", None if it is claimed or was recycled
-        again since it was picked, or the error that kept it."""
+        """Delete (or, when `trash` and the object was not purged, trash) objects the sweep
+        picked, those of them `still` confirms (still expired, or still evictable, and not
+        held), checked under the lock that publishes and claims. Each comes back with
+        "deleted", "trashed", None if it is claimed, recycled again or held since it was
+        picked, or the error that kept it."""
         out: list[tuple[StoredObject, str | None]] = []
         with self._lock:
-            free = [o for o in objs if o.checksum not in self._claims]
-            expired = self.index.still_expired([o.checksum for o in free], now)
+            free = still([o.checksum for o in objs if o.checksum not in self._claims])
             for o in objs:
-                if o.checksum not in expired:
+                if o.checksum not in free:
                     out.append((o, None))
                     continue
                 path = self.layout.object_path(o.checksum)

@@ -412,7 +412,7 @@ def test_the_quarantined_transactions_gauge(env, store) -> None:
 
     def gauge() -> float | None:
         reg = CollectorRegistry()
-        reg.register(StoreCollector(store.index))
+        reg.register(StoreCollector(store))
         return reg.get_sample_value("cmroot_quarantined_transactions")
 
     assert gauge() == 0

@@ -104,6 +104,12 @@ def test_counts_are_whole_and_the_list_is_bounded(env, store: Store, clock, rows
         "failures_truncated",
         "skipped",
         "duration",
+        "evicted_objects",
+        "evicted_bytes",
+        "held_objects",
+        "held_bytes",
+        "budget_bytes",
+        "over_budget_bytes",
     }
     assert j["removed_objects"] == len(objs) and len(j["removed"]) == rows
     again = store.gc()
@@ -140,7 +146,7 @@ def test_the_cli_text_of_a_small_sweep(store: Store, clock) -> None:
     clock.advance(2 * DAY)
     text = _gc_text(store.gc(dry_run=True).to_json())
     assert text.startswith("would remove 3 objects (") and "0 failed, 0 skipped" in text
-    assert "\n" not in text
+    assert text.splitlines()[1:] == ["  db.t: 3 files, 48 B"]  # a dry run names its tables
     # A daemon from before counted reports sent `failed` as a list.
     old = {
         "dry_run": False,
