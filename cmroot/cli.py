@@ -785,12 +785,33 @@ def _fsck(args: argparse.Namespace) -> int:
     """Exit 0: clean (or every finding repaired); 1: findings (without --repair), or
     findings no repair fixes (unreadable files, troubled recycle transactions)."""
     config = _load(args)
-    with _open_store(config) as store:
-        report = store.fsck(args.repair, Progress("fsck: shards checked", not args.quiet))
-    _out(args, report.to_json(), _fsck_text)
-    if report.clean:
+    progress = Progress("fsck: shards checked", not args.quiet)
+    if args.url:
+        res = _fsck_through(args.url, args.token, args.repair)
+    else:
+        try:
+            with _open_store(config) as store:
+                res = store.fsck(args.repair, progress).to_json()
+        except StoreLocked:
+            # The daemon holds the store: a check runs here, read-only beside it; a repair
+            # must be the writer's, so it runs in the daemon.
+            if args.repair:
+                log.info("store in use by the daemon: repairing through it",
+                         extra={"url": config.server.base_url})
+                res = _fsck_through(config.server.base_url, args.token, True)
+            else:
+                with _open_store(config, readonly=True) as store:
+                    res = store.fsck(False, progress, online=True).to_json()
+    _out(args, res, _fsck_text)
+    if res["clean"]:
         return 0
-    return 1 if report.needs_attention or not args.repair else 0
+    needs_attention = res["counts"]["unreadable"] or res["counts"]["quarantined_transactions"]
+    return 1 if needs_attention or not args.repair else 0
+
+
+def _fsck_through(url: str, token: str | None, repair: bool) -> dict[str, Any]:
+    """fsck in the daemon: as long as hashing the store takes, so no read timeout."""
+    return Client(url, token, timeout=None).fsck(repair)
 
 
 _FSCK_SHOWN = 20  # items of each list the summary prints; --json has the rest

@@ -121,7 +121,7 @@ class Client:
         self,
         url: str,
         token: str | None = None,
-        timeout: float = 600.0,
+        timeout: float | None = 600.0,  # seconds a read may wait; None: no limit
         ssl_context: ssl.SSLContext | None = None,
         socket: str | None = None,
         busy_wait: float = 30.0,
@@ -351,6 +351,11 @@ class Client:
         return self._json("POST", "/v1/gc?" + urlencode(
             {k: str(v).lower() for k, v in query.items()}))
 
+    def fsck(self, repair: bool = False) -> dict[str, Any]:
+        """POST /v1/fsck: the daemon checks (and repairs) its store while it serves. It
+        takes as long as hashing every object does: give this Client a long timeout."""
+        return self._json("POST", f"/v1/fsck?repair={'true' if repair else 'false'}")
+
     def add_hold(
         self, db: str, table: str | None, until: float, reason: str
     ) -> dict[str, Any]:
@@ -525,7 +530,7 @@ class _UnixConnection(http.client.HTTPConnection):
     """HTTP over a Unix socket; the Host header still names `host` (localhost for a
     unix:// URL)."""
 
-    def __init__(self, path: str, host: str, timeout: float) -> None:
+    def __init__(self, path: str, host: str, timeout: float | None) -> None:
         super().__init__(host, timeout=timeout)
         self._path = path
 

@@ -44,6 +44,7 @@ from cmroot.metrics import Metrics, StoreCollector
 from cmroot.server import schemas
 from cmroot.server.auth import Tokens, local_request, loopback_origin
 from cmroot.store import RecycleResult, Store, Verified
+from cmroot.store.fsck import FsckReport
 from cmroot.store.sweep import SweepReport
 
 log = logging.getLogger("cmroot.server")
@@ -162,6 +163,7 @@ class Service:
             for name, limit in LIMITS.items()
         }
         self._gc_lock = threading.Lock()
+        self._fsck_lock = threading.Lock()
         self.stopping = threading.Event()  # set on SIGTERM: a running sweep ends early
         # Mismatches the store finds (objects quarantined, files changed while served).
         store.reader.on_mismatch = self.metrics.checksum_mismatches.inc
@@ -214,6 +216,28 @@ class Service:
             return report
         finally:
             self._gc_lock.release()
+
+    def fsck(self, repair: bool) -> FsckReport:
+        """One fsck at a time (409 for a second), beside recycles and sweeps: every repair
+        is decided again under the lock publishes take (see store/fsck.py)."""
+        if not self._fsck_lock.acquire(blocking=False):
+            raise Conflict("an fsck is already running", "try again once it has finished")
+        try:
+            log.info("fsck started", extra={"repair": repair})
+            report = self.store.fsck(repair, progress=self._fsck_progress, online=True)
+            log.info("fsck finished", extra={"repair": repair, "clean": report.clean,
+                                             "checked": report.checked, **report.counts})
+            return report
+        finally:
+            self._fsck_lock.release()
+
+    def _fsck_progress(self, done: int, total: int) -> None:
+        if self.stopping.is_set():
+            raise DaemonUnavailable(
+                "fsck stopped", f"the daemon is shutting down ({done} of {total} shards done)"
+            )
+        if done % 4096 == 0 or done == total:
+            log.info("fsck progress", extra={"shards": done, "of": total})
 
     def _stop_if_stopping(self, removed: int) -> None:
         """The sweep's progress hook, called after each batch is removed and forgotten:
@@ -285,6 +309,7 @@ def create_app(service: Service, max_body: int) -> web.Application:
     r.add_get("/v1/events/{id:[0-9]+}/files", _route("admin", w["other"], event_files))
     r.add_post("/v1/events", _route("write", w["recycle"], add_event))
     r.add_post("/v1/gc", _route("admin", w["other"], gc))
+    r.add_post("/v1/fsck", _route("admin", w["other"], fsck))
     r.add_get("/v1/holds", _route("read", w["other"], holds))
     r.add_post("/v1/holds", _route("admin", w["other"], add_hold))
     r.add_delete("/v1/holds/{id}", _route("admin", w["other"], remove_hold))
@@ -815,6 +840,12 @@ async def remove_hold(request: web.Request) -> web.Response:
         raise BadRequest("bad hold id", f"{raw[:50]!r}: give the number `cmroot hold ls` shows")
     await _run(request, svc.store.remove_hold, int(raw))
     return _json({"removed": int(raw)})
+
+
+async def fsck(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    report = await _run(request, svc.fsck, _query(request, schemas.FsckQuery).repair)
+    return _json(report.to_json())
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -219,6 +219,12 @@ class GcQuery(Struct, forbid_unknown_fields=True, frozen=True):
     all: bool = False
 
 
+class FsckQuery(Struct, forbid_unknown_fields=True, frozen=True):
+    """POST /v1/fsck."""
+
+    repair: bool = False
+
+
 class NoQuery(Struct, forbid_unknown_fields=True, frozen=True):
     """Routes that take no parameters."""
 

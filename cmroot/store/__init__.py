@@ -299,12 +299,22 @@ class Store:
         repair: bool = False,
         progress: Callable[[int, int], None] | None = None,
         limit: int = FSCK_LIMIT,
+        online: bool = False,
     ) -> FsckReport:
         """Check the objects against the index, shard by shard (`progress(done, total)`
         per shard); with `repair`, fix what can be fixed without losing anything. Lists
-        in the report hold at most `limit` items each; its counts are complete."""
+        in the report hold at most `limit` items each; its counts are complete. `online`:
+        recycles and sweeps go on meanwhile (in the daemon, or this store is read-only
+        beside it); a read-only store only checks."""
+        if repair and self.readonly:
+            raise BadRequest(
+                "fsck --repair needs the store's writer",
+                "repair through the running daemon (cmroot fsck --repair reaches it), or"
+                " stop it first",
+            )
         return fsck(
-            self.layout, self.index, self.clock(), self.config.retain, repair, progress, limit
+            self.layout, self.index, self.clock(), self.config.retain, repair, progress, limit,
+            guard=None if self.readonly else self.objects, online=online or self.readonly,
         )
 
     # -- reads ----------------------------------------------------------------------------

@@ -16,6 +16,14 @@ What `--repair` does:
   place and no valid copy of it was found anywhere in the store.
 Stray files are reported, never touched.
 
+Online (`online=True`: inside the running daemon, or read-only beside it), recycles and
+sweeps go on while the walk runs. Each finding is then decided again when it is acted on:
+in the daemon, under the lock publishes take (`Objects.settled`), so an object a recycle
+is between its publish and its index commit is neither registered nor quarantined nor
+forgotten; beside it, findings are checked again against the index and the journal after
+the walk. Rows of expired objects are the sweep's and never reported missing online (a
+sweep unlinks before it forgets).
+
 It streams: `objects/` is walked one `ab/cd` shard at a time in sorted order and compared
 with the index rows of that shard alone (`Index.objects_between`), so memory is one shard's
 worth, not the store's. Rows whose shard directory is absent are found by visiting every
@@ -25,18 +33,21 @@ loading all checksums. Report lists are capped (`limit`); counts are always exac
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from cmroot import checksum as cks
+from cmroot import faults
 from cmroot.index import Index, PendingTx, StoredObject
 from cmroot.store.layout import Layout, fsync_dir, same_bytes
+from cmroot.store.objects import Objects
 from cmroot.vocab import TxState
 
 _NAME = re.compile(r"[0-9a-f]{32}")
@@ -122,21 +133,21 @@ def fsck(
     repair: bool = False,
     progress: Callable[[int, int], None] | None = None,
     limit: int = LIMIT,
+    guard: Objects | None = None,
+    online: bool = False,
 ) -> FsckReport:
     """Check (and with `repair`, fix) the store. `progress(done, total)` is called once per
-    shard directory visited."""
+    shard directory visited. `guard`: the writer's objects, whose lock and claims every
+    repair decides under; `online`: recycles and sweeps run meanwhile (see above)."""
     report = FsckReport(repair, limit)
-    owned: set[str] = set()
-    in_flight: set[str] = set()  # objects of journaled transactions: published, not indexed
-    for txid in index.pending_txids():  # one transaction's rows in memory at a time
-        for tx in index.pending(txid):
-            _transaction(layout, tx, report)
-            owned |= _owned(layout, tx)
-            in_flight.update(r.checksum for r in tx.rows if r.checksum)
-    _staging(layout, owned, report)
+    owned, in_flight = _journaled(layout, index, None if online else report)
+    if not online:
+        _staging(layout, owned, report)
     with ThreadPoolExecutor(max_workers=cks.default_workers()) as pool:
         walk = _Walk(layout, index, now, retain, repair, report, pool)
         walk.in_flight = in_flight
+        walk.guard = guard
+        walk.online = online
         shards = walk.plan()
         for i, shard in enumerate(shards, 1):
             walk.shard(shard)
@@ -144,7 +155,34 @@ def fsck(
             if progress:
                 progress(i, len(shards))
         walk.settle()
+        walk.finish()
+    if online:
+        # As things are at the end (a walk of hours sees transactions come and go): the
+        # staging area is listed first, the journal read after (a transaction is journaled
+        # before its directory exists and ends after it is removed).
+        try:
+            listed = sorted(os.listdir(layout.staging))
+        except OSError:
+            listed = []
+        owned = _journaled(layout, index, report)[0]
+        _staging(layout, owned, report, [n for n in listed if n not in owned])
     return report
+
+
+def _journaled(
+    layout: Layout, index: Index, report: FsckReport | None
+) -> tuple[set[str], set[str]]:
+    """(staging entries the journal's transactions own, objects they published ahead of
+    their commit); troubled transactions are reported to `report` if given."""
+    owned: set[str] = set()
+    published: set[str] = set()
+    for txid in index.pending_txids():  # one transaction's rows in memory at a time
+        for tx in index.pending(txid):
+            if report is not None:
+                _transaction(layout, tx, report)
+            owned |= _owned(layout, tx)
+            published.update(r.checksum for r in tx.rows if r.checksum)
+    return owned, published
 
 
 def describe(err: OSError) -> str:
@@ -190,9 +228,18 @@ def _owned(layout: Layout, tx: PendingTx) -> set[str]:
     return owned
 
 
-def _staging(layout: Layout, owned: set[str], report: FsckReport) -> None:
+def _staging(
+    layout: Layout, owned: set[str], report: FsckReport, candidates: list[str] | None = None
+) -> None:
     """Whatever is in staging and belongs to no transaction of the journal is stray (it is
-    reported, never removed)."""
+    reported, never removed). `candidates`: names listed before the journal was read
+    (online), stray only if still there now."""
+    if candidates is not None:
+        for name in candidates:
+            path = os.path.join(layout.staging, name)
+            if os.path.lexists(path):
+                report.add("stray", path)
+        return
     try:
         names = sorted(os.listdir(layout.staging))
     except FileNotFoundError:
@@ -272,6 +319,21 @@ class _Walk:
         # A prepared transaction's objects, published ahead of its commit: its own, neither
         # unindexed nor to register (its commit indexes them, its rollback removes them).
         self.in_flight: set[str] = set()
+        self.guard: Objects | None = None  # the writer's objects (in the daemon)
+        self.online = False
+        # Beside a running daemon: unindexed objects (name, size) to look at again at the
+        # end, when recycles that were in flight have committed.
+        self.deferred: list[str] = []
+
+    @contextlib.contextmanager
+    def _settled(self, name: str) -> Iterator[bool]:
+        """Decide and act on one object with no recycle between its publish and its index
+        commit (True: none claims it); offline, nothing else runs."""
+        if self.guard is None:
+            yield True
+        else:
+            with self.guard.settled(name) as free:
+                yield free
 
     # -- which shards to visit ----------------------------------------------------------
     def plan(self) -> list[str]:
@@ -353,23 +415,61 @@ class _Walk:
                 continue
             self.report.checked += 1
             digest, size = res
+            faults.point("fsck.object_hashed")
             try:
                 if not name.startswith(prefix):
                     self._misplaced(path, name, digest, size)
                 elif digest != name:
-                    self.report.add("corrupt", name)
-                    if self.repair:
-                        self._quarantine(path, name)
-                        self.recheck.add(shard)
+                    self._corrupt(path, name, shard)
                 elif name not in indexed and name not in self.in_flight:
-                    self.report.add("unindexed", name)
-                    if self.repair:
-                        self._register(name, size)
+                    self._unindexed(name, size)
             except OSError as e:  # a repair the filesystem refused: left, rows kept
                 self.report.add("unreadable", {"path": path, "error": f"repair: {describe(e)}"})
                 self.keep_rows.add(name)
         if any(c not in present for c in indexed):
             self.recheck.add(shard)
+
+    def _corrupt(self, path: str, name: str, shard: str) -> None:
+        with self._settled(name) as free:
+            if not free:
+                return  # a recycle of these bytes is healing it (Objects.publish) right now
+            if self.guard is not None:
+                again = _try_hash(path)
+                if isinstance(again, OSError) or again[0] == name:
+                    # Healed since it was hashed (a recycle of the same bytes finished), or
+                    # gone (swept): nothing of it to quarantine.
+                    return
+            self.report.add("corrupt", name)
+            if self.repair:
+                self._quarantine(path, name)
+                self.recheck.add(shard)
+
+    def _unindexed(self, name: str, size: int) -> None:
+        if self.online and self.guard is None:
+            self.deferred.append(name)  # looked at again once the walk is done (finish)
+            return
+        with self._settled(name) as free:
+            # Claimed: between its publish and its commit. Indexed since the shard's rows
+            # were read: committed meanwhile. Neither is unindexed.
+            if not free or (self.online and self.index.get_object(name) is not None):
+                return
+            self.report.add("unindexed", name)
+            if self.repair:
+                self._register(name, size)
+
+    def finish(self) -> None:
+        """Beside a running daemon: of the objects found unindexed, those still unindexed
+        and in no journaled transaction now (and still there)."""
+        if not self.deferred:
+            return
+        journaled = _journaled(self.layout, self.index, None)[1]
+        for name in self.deferred:
+            if (
+                name not in journaled
+                and self.index.get_object(name) is None
+                and os.path.lexists(self.layout.object_path(name))
+            ):
+                self.report.add("unindexed", name)
 
     def _register(self, name: str, size: int) -> None:
         # A full retention from now, so a person has time to sort it out.
@@ -393,6 +493,13 @@ class _Walk:
 
     # -- an object in the wrong shard ---------------------------------------------------
     def _misplaced(self, path: str, name: str, digest: str, size: int) -> None:
+        with self._settled(name) as free:
+            if free:
+                self._misplaced_settled(path, name, digest, size)
+            else:
+                self.keep_rows.add(name)  # a recycle is at work on it: left for next time
+
+    def _misplaced_settled(self, path: str, name: str, digest: str, size: int) -> None:
         if digest != name:
             # Bytes that do not hash to their name, wherever they sit: corrupt. No rows
             # are touched here: they belong to the object's own place.
@@ -461,16 +568,36 @@ class _Walk:
         """Report (and on repair forget) the rows of objects absent from their place once
         every shard was walked, unless a valid copy of the object exists elsewhere."""
         for shard in sorted(self.recheck):
+            rows = self._rows(shard.replace("/", ""))
             gone = [
                 c
-                for c in sorted(self._rows(shard.replace("/", "")))
+                for c in sorted(rows)
                 if c not in self.keep_rows and _absent(self.layout.object_path(c))
+                # Online, an expired object is the sweep's: it unlinks, then forgets.
+                and not (self.online and rows[c].expires <= self.now)
             ]
+            if self.online:
+                for c in gone:
+                    self._forget_one(c)
+                continue
             for c in gone:
                 if c not in self.quarantined:
                     self.report.add("missing", c)
             if self.repair and gone:
                 self.index.forget(gone)
+
+    def _forget_one(self, c: str) -> None:
+        """Online: a row whose object is absent, decided again now. A recycle may have
+        published it since (claimed, or present), or the sweep forgotten it."""
+        with self._settled(c) as free:
+            if not free or not _absent(self.layout.object_path(c)):
+                return
+            if self.index.get_object(c) is None:
+                return
+            if c not in self.quarantined:
+                self.report.add("missing", c)
+            if self.repair:
+                self.index.forget([c])
 
 
 def _is_dir(entry: os.DirEntry[str]) -> bool:

@@ -14,7 +14,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from cmroot import checksum as cks
 from cmroot.exceptions import Conflict
@@ -170,6 +170,15 @@ class Objects:
                     continue
                 out.append((o, "deleted"))
         return out
+
+    @contextlib.contextmanager
+    def settled(self, checksum: str) -> Iterator[bool]:
+        """Hold the lock that publishes, rollbacks and sweeps take, and say whether no
+        recycle in flight claims `checksum`: a repair that moves, registers or forgets an
+        object decides and acts inside this, so no recycle can be between its publish and
+        its index commit meanwhile."""
+        with self._lock:
+            yield checksum not in self._claims
 
     def claimed(self, checksum: str) -> bool:
         with self._lock:
