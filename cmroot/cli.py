@@ -26,7 +26,7 @@ from typing import Any
 
 import fsspec
 
-from cmroot import __version__
+from cmroot import __version__, audit
 from cmroot import checksum as cks
 from cmroot import config as cfg
 from cmroot.client import Client, Resolutions, Resolved
@@ -66,14 +66,23 @@ def _count(text: str) -> int:
     return n
 
 
+def _hold_id(text: str) -> int:
+    if not re.fullmatch(r"[1-9][0-9]{0,17}", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: give the number `cmroot hold ls` shows")
+    return int(text)
+
+
 def _until(text: str) -> float:
     """--until: a duration from now (7d), or an ISO date or time (UTC unless it says)."""
     try:
         return time.time() + cfg.parse_duration(text, "--until")
     except ConfigError:
         pass
+    text = text.strip()
+    if text[-1:] in ("Z", "z"):  # Python 3.10's fromisoformat reads no Z
+        text = text[:-1] + "+00:00"
     try:
-        when = datetime.datetime.fromisoformat(text.strip())
+        when = datetime.datetime.fromisoformat(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r}: write a date or time (2026-12-01, 2026-12-01T18:00Z) or a duration"
@@ -171,7 +180,7 @@ def _parser() -> argparse.ArgumentParser:
     h = hold.add_parser("ls", parents=[common], help="list holds in force")
     h.add_argument("--all", action="store_true", help="holds past their time too")
     h = hold.add_parser("rm", parents=[common], help="release a hold")
-    h.add_argument("id", type=_count, metavar="ID")
+    h.add_argument("id", type=_hold_id, metavar="ID")
 
     s = sub.add_parser("gc", parents=[common], help="run a retention sweep now")
     s.add_argument(
@@ -432,7 +441,7 @@ def _backend(args: argparse.Namespace, readonly: bool = False) -> Iterator[Any]:
 
 
 def _client(url: str, token: str | None) -> Client:
-    return Client(url, token)
+    return Client(url, token, audit=audit.here("cmroot"))
 
 
 class _Direct:
@@ -444,7 +453,9 @@ class _Direct:
     def recycle(
         self, paths: list[str], progress: Callable[[int, int], None] | None = None, **kw: Any
     ) -> RecycleResult:
-        return self.store.recycle(RecycleRequest(paths=paths, **kw), progress)
+        return self.store.recycle(
+            RecycleRequest(paths=paths, audit=audit.here("cmroot"), **kw), progress
+        )
 
     def resolve(self, files: list[dict[str, str]]) -> Resolutions:
         return Resolutions([Resolved(**r.to_json()) for r in self.store.resolve(files)])
@@ -636,14 +647,15 @@ def _utc(t: float) -> str:
 
 def _ls_text(r: dict[str, Any]) -> str:
     """A table with a header, one entry a line, the path last (it is the longest)."""
-    rows = [("RECYCLED (UTC)", "OP", "TABLE", "PARTITION", "SIZE", "EXPIRES (UTC)", "PATH")]
+    rows = [("RECYCLED (UTC)", "OP", "TABLE", "PARTITION", "SIZE", "EXPIRES (UTC)", "BY",
+             "PATH")]
     for e in r["entries"]:
         table = ".".join(x for x in (e.get("db"), e.get("table")) if x) or "-"
         part = ",".join(f"{k}={v}" for k, v in (e.get("partition") or {}).items()) or "-"
         held = e.get("held_until")
         expires = _utc(e["expires"]) + (f" held to {_utc(held)}" if held else "")
         rows.append((_utc(e["recycled"]), e["op"], table, part, _bytes(e["size"]), expires,
-                     e["path"]))
+                     audit.to_text(e.get("audit")), e["path"]))
     if len(rows) == 1:
         return "no entries"
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
@@ -666,7 +678,12 @@ def _bytes(n: int) -> str:
 def _hold(args: argparse.Namespace) -> int:
     with _backend(args) as b:
         if args.hold_verb == "add":
-            db, _, table = args.name.partition(".")
+            db, dot, table = args.name.partition(".")
+            if dot and not table:
+                raise BadRequest(
+                    f"bad table in {args.name!r}",
+                    "write DB for a whole database, or DB.TABLE for one table",
+                )
             res = b.add_hold(db, table or None, args.until, args.reason)
             _out(args, res, lambda h: f"hold {h['id']} on {_held_name(h)} until "
                                       f"{_utc(h['until'])} UTC")

@@ -125,6 +125,7 @@ class Client:
         ssl_context: ssl.SSLContext | None = None,
         socket: str | None = None,
         busy_wait: float = 30.0,
+        audit: dict[str, str] | None = None,
     ) -> None:
         fix = "write http://host:port or unix:///path/to/socket"
         try:
@@ -156,14 +157,18 @@ class Client:
         self._timeout = timeout
         self._ssl = ssl_context
         self._busy_wait = busy_wait
+        # Sent with every recycle and event unless the call gives its own: who asks.
+        self.audit = audit
         self._local = threading.local()
 
     # -- API -------------------------------------------------------------------------------
     def recycle(
         self, paths: list[str], progress: Callable[[int, int], None] | None = None, **kw: Any
     ) -> Recycled:
-        """POST /v1/recycle; kw: mode, purge, op, db, table, partitions, location."""
-        body = {"paths": paths, **{k: v for k, v in kw.items() if v is not None}}
+        """POST /v1/recycle; kw: mode, purge, op, db, table, partitions, location, audit."""
+        body = {"paths": paths, "audit": self.audit,
+                **{k: v for k, v in kw.items() if v is not None}}
+        body = {k: v for k, v in body.items() if v is not None}
         try:
             res = self._json("POST", "/v1/recycle", body)
         except DaemonUnavailable as e:
@@ -186,7 +191,8 @@ class Client:
         """First phase of a two-phase recycle (kw as for `recycle`): the files move into
         staging, unseen until `commit`. `txid` adds them to that prepared transaction; if
         they cannot join, the daemon rolls back the whole transaction."""
-        body = {"paths": paths, "prepare": True, "txid": txid, "lease": lease, **kw}
+        body = {"paths": paths, "prepare": True, "txid": txid, "lease": lease,
+                "audit": self.audit, **kw}
         res = self._json("POST", "/v1/recycle", {k: v for k, v in body.items() if v is not None})
         return PreparedTx(
             res["txid"],
@@ -338,7 +344,8 @@ class Client:
     def add_event(self, event_type: str, **kw: Any) -> int:
         """POST /v1/events; kw: db, table, partitions, files, server, location, tableObj.
         A file given as {"path"} alone is hashed by the daemon."""
-        return int(self._json("POST", "/v1/events", {"eventType": event_type, **kw})["id"])
+        body = {"eventType": event_type, **({"audit": self.audit} if self.audit else {}), **kw}
+        return int(self._json("POST", "/v1/events", body)["id"])
 
     def gc(
         self, dry_run: bool = False, progress: Callable[[int], None] | None = None,

@@ -8,6 +8,7 @@ bad value stops the daemon at start, with the key and the fix in the message.
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 import pwd
 import re
@@ -53,20 +54,27 @@ def parse_duration(text: str | int | float, key: str = "duration") -> float:
 
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?B|B)?\s*", re.IGNORECASE)
+MAX_SIZE = 2**63  # SQLite's integers
 _SIZE_UNITS = {"b": 1, **{f"{p}b": 1000 ** (i + 1) for i, p in enumerate("kmgtp")},
                **{f"{p}ib": 1024 ** (i + 1) for i, p in enumerate("kmgtp")}}
 
 
-def parse_size(text: str | int, key: str = "size") -> int:
+def parse_size(text: str | float, key: str = "size") -> int:
     """`500GiB`, `2TB`, `1048576` (bytes) → bytes; 0 means no limit."""
-    if _is_number(text) and float(text) >= 0 and float(text) == int(text):
+    if isinstance(text, (int, float)) and not isinstance(text, bool) and (
+        math.isfinite(text) and 0 <= text < MAX_SIZE and text == int(text)
+    ):
         return int(text)
     m = _SIZE.fullmatch(text) if isinstance(text, str) else None
-    if m is None:
+    size = float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()] if m else -1.0
+    # A size that rounds to 0 bytes would turn the limit off without saying so.
+    if not 0 <= size < MAX_SIZE or (size < 1 and float(m.group(1) if m else 1) != 0):
         raise ConfigError(
-            f"bad size for {key}", f"{text!r}: write bytes, or a size like 500GiB or 2TB"
+            f"bad size for {key}",
+            f"{str(text)[:100]!r}: write bytes, or a size like 500GiB or 2TB (0: no limit,"
+            " at most 8 EiB)",
         )
-    return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()])
+    return int(size)
 
 
 def _is_number(value: object) -> bool:
@@ -103,9 +111,10 @@ class StoreConfig:
 
     def retain_for(self, db: str | None, table: str | None) -> float:
         if db is not None or table is not None:
-            name = f"{db or ''}.{table or ''}"
+            # Case-insensitive, as the metastore treats names (and holds match them).
+            name = f"{db or ''}.{table or ''}".lower()
             for pattern, seconds in self.retain_overrides:
-                if fnmatch.fnmatchcase(name, pattern):
+                if fnmatch.fnmatchcase(name, pattern.lower()):
                     return seconds
         return self.retain
 

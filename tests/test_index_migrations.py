@@ -303,7 +303,7 @@ def test_an_old_index_opens_and_keeps_everything(tmp_path: Path, meta: bool) -> 
     build_old(path, OLD_SCHEMA if meta else OLD_SCHEMA_NO_META, meta)
     index = Index(str(path))
     try:
-        assert user_version(path) == VERSION == 6
+        assert user_version(path) == VERSION == 7
         assert len(index.log_id()) == 32  # the event log gains its identity
         # Events: every one, in id order, each with its files in their recorded order.
         assert [e.to_json() for e in index.events(0, 100)] == expected_events(meta)

@@ -134,7 +134,7 @@ try:  # fsspec >= 2025: a chained filesystem takes the inner URL's path ("cmroot
 except ImportError:  # pragma: no cover - older fsspec
     _Base = AbstractFileSystem
 
-from cmroot import faults
+from cmroot import audit, faults
 from cmroot.client import Client, PreparedTx
 from cmroot.exceptions import (
     BadRequest,
@@ -196,7 +196,8 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
         roots = list(warehouse_roots or (config.store.warehouse_roots if config else ()))
         self.roots = [self._norm(r) for r in roots]
         self.client = client or Client(
-            str(self.url), token if token is not None else os.environ.get("CMROOT_TOKEN")
+            str(self.url), token if token is not None else os.environ.get("CMROOT_TOKEN"),
+            audit=audit.here(),
         )
         self.fail_open = fail_open
         self.op = op

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -32,7 +32,7 @@ from cmroot.index.records import Event
 PAGE_BYTES = 4 << 20  # the most a page's JSON may take; read at call time (tests lower it)
 FILES_FETCH = 2000  # file rows read from SQLite per step while filling a page
 
-_EVENT_COLUMNS = "id, type, db, tbl, partitions, timestamp, server, purge, meta"
+_EVENT_COLUMNS = "id, type, db, tbl, partitions, timestamp, server, purge, meta, audit"
 # The largest tableObj POST /v1/events accepts (cmroot.server.schemas checks it), in bytes
 # of JSON, and in levels of nesting (a Hive table definition is under 10 levels deep).
 ACCEPTED_TABLE_OBJ = 1 << 20
@@ -60,6 +60,22 @@ def dumps(data: Any) -> str:
 
 
 class EventLog(Base):
+    def audits(self, event_ids: Iterable[int]) -> dict[int, dict[str, str]]:
+        """The audit of each of these events that has one."""
+        ids = sorted({i for i in event_ids if i})
+        out: dict[int, dict[str, str]] = {}
+        for i in range(0, len(ids), 500):
+            chunk = ids[i : i + 500]
+            for event_id, text in self._query(
+                f"SELECT id, audit FROM events WHERE id IN ({','.join('?' * len(chunk))})"
+                " AND audit IS NOT NULL",
+                chunk,
+            ):
+                audit = _audit(text)
+                if audit is not None:
+                    out[event_id] = audit
+        return out
+
     def add_event(self, event: Event) -> int:
         with self.transaction() as db:
             return self._insert_event(db, event)
@@ -76,7 +92,7 @@ class EventLog(Base):
         # column is still NOT NULL without a default.
         cur = db.execute(
             "INSERT INTO events (type, db, tbl, partitions, timestamp, server, purge, files,"
-            " meta, txid) VALUES (?, ?, ?, ?, ?, ?, ?, '[]', ?, ?)",
+            " meta, txid, audit) VALUES (?, ?, ?, ?, ?, ?, ?, '[]', ?, ?, ?)",
             (
                 str(e.type),
                 e.db,
@@ -87,6 +103,7 @@ class EventLog(Base):
                 int(e.purge),
                 meta,
                 txid,
+                json.dumps(e.audit) if e.audit else None,
             ),
         )
         assert cur.lastrowid is not None
@@ -294,8 +311,16 @@ def _event(r: Sequence[Any], files: list[dict[str, Any]]) -> Event:
     location, table_obj, partition_locations = _meta(r[8])
     return Event(
         r[0], r[1], r[2], r[3], json.loads(r[4]), r[5], r[6], bool(r[7]), files, location,
-        table_obj, partition_locations,
+        table_obj, partition_locations, _audit(r[9]),
     )
+
+
+def _audit(text: str | None) -> dict[str, str] | None:
+    try:
+        value = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 class _SplitMeta(msgspec.Struct, rename={"table_obj": "tableObj",

@@ -85,6 +85,7 @@ class Event:
     # Where each of `partitions` lives, in order (None: outside the warehouse roots);
     # None when the recorder did not say (the partitions are at their default places).
     partition_locations: list[str | None] | None = None
+    audit: dict[str, str] | None = None  # who and what asked for it (cmroot.audit)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -102,6 +103,8 @@ class Event:
         }
         if self.partition_locations is not None:
             out["partitionLocations"] = self.partition_locations
+        if self.audit is not None:
+            out["audit"] = self.audit
         return out
 
 

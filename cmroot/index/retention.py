@@ -7,28 +7,39 @@ neither expired nor evicted: a hold only ever keeps more."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import json
+from collections.abc import Sequence
 from typing import Any
 
 from cmroot.index.base import Base, chunks
 from cmroot.index.records import Hold, StoredObject
 
 _OBJECT = "o.checksum, o.size, o.created, o.expires, o.keep, o.last"
-# An object (alias o) with an entry of a table a hold active at :now keeps.
+# An object (alias o) with an entry of a table a hold active at :now keeps: by the entry's
+# names, or, for one recycled with none, by where it was (the hold's path prefixes).
 _HELD = (
-    "EXISTS (SELECT 1 FROM entries e JOIN holds h ON h.db = lower(e.db)"
-    " AND (h.tbl IS NULL OR h.tbl = lower(e.tbl))"
-    " WHERE e.checksum = o.checksum AND h.until > :now)"
+    "EXISTS (SELECT 1 FROM entries e JOIN holds h ON h.until > :now"
+    " AND ((h.db = lower(e.db) AND (h.tbl IS NULL OR h.tbl = lower(e.tbl)))"
+    " OR EXISTS (SELECT 1 FROM json_each(h.paths) p"
+    " WHERE substr(e.path, 1, length(p.value)) = p.value))"
+    " WHERE e.checksum = o.checksum)"
 )
 
 
 class Retention(Base):
     # -- holds ----------------------------------------------------------------------------
-    def add_hold(self, db: str, table: str | None, until: float, reason: str, now: float) -> Hold:
+    def add_hold(
+        self, db: str, table: str | None, until: float, reason: str, now: float,
+        paths: Sequence[str] = (),
+    ) -> Hold:
+        """A hold on `db` (or its `table`), also covering entries under `paths` (prefixes
+        ending in "/") whatever their names."""
         with self.transaction() as conn:
             cur = conn.execute(
-                "INSERT INTO holds (db, tbl, created, until, reason) VALUES (?, ?, ?, ?, ?)",
-                (db.lower(), table.lower() if table is not None else None, now, until, reason),
+                "INSERT INTO holds (db, tbl, created, until, reason, paths)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (db.lower(), table.lower() if table is not None else None, now, until, reason,
+                 json.dumps(list(paths))),
             )
             hold_id = int(cur.lastrowid or 0)
         return Hold(hold_id, db.lower(), table.lower() if table else None, now, until, reason)
@@ -61,19 +72,25 @@ class Retention(Base):
         return int(n), int(size)
 
     def held_until(
-        self, entries: Iterable[tuple[str | None, str | None]], now: float
-    ) -> dict[tuple[str, str | None], float]:
-        """For (db, table) pairs, the latest `until` of the holds active at `now` that keep
-        that table, keyed by the lowercased pair; pairs no hold keeps are left out."""
-        out: dict[tuple[str, str | None], float] = {}
-        active = self.holds(now)
-        for db, table in entries:
-            if db is None:
-                continue
-            key = (db.lower(), table.lower() if table is not None else None)
-            for h in active:
-                if h.db == key[0] and (h.table is None or h.table == key[1]):
-                    out[key] = max(out.get(key, 0.0), h.until)
+        self, entries: Sequence[tuple[str | None, str | None, str]], now: float
+    ) -> list[float | None]:
+        """For (db, table, path) of entries, the latest `until` of the holds active at
+        `now` that keep each (None where none does)."""
+        active = [
+            (db, tbl, until, json.loads(paths))
+            for db, tbl, until, paths in self._query(
+                "SELECT db, tbl, until, paths FROM holds WHERE until > ?", (now,)
+            )
+        ]
+        out: list[float | None] = []
+        for db, table, path in entries:
+            names = ((db or "").lower(), (table or "").lower())
+            best: float | None = None
+            for h_db, h_tbl, until, prefixes in active:
+                by_name = db is not None and h_db == names[0] and h_tbl in (None, names[1])
+                if by_name or any(path.startswith(p) for p in prefixes):
+                    best = max(best or 0.0, until)
+            out.append(best)
         return out
 
     # -- expiry ---------------------------------------------------------------------------

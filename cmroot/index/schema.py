@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from cmroot.exceptions import ConfigError
 
-VERSION = 6
+VERSION = 7
 
 SCHEMA = """
 CREATE TABLE objects (
@@ -72,7 +72,8 @@ CREATE TABLE events (
     purge      INTEGER NOT NULL,
     files      TEXT NOT NULL DEFAULT '[]',  -- unused since version 2: see event_files
     meta       TEXT,           -- JSON {"location", "tableObj"}, or NULL
-    txid       TEXT            -- the recycle transaction that recorded it, or NULL
+    txid       TEXT,           -- the recycle transaction that recorded it, or NULL
+    audit      TEXT            -- JSON: who and what asked for it (cmroot.audit), or NULL
 );
 -- A commit retried after its answer was lost finds the event it made.
 CREATE UNIQUE INDEX events_txid ON events(txid) WHERE txid IS NOT NULL;
@@ -101,7 +102,10 @@ CREATE TABLE holds (
     tbl     TEXT,
     created REAL NOT NULL,
     until   REAL NOT NULL,
-    reason  TEXT NOT NULL
+    reason  TEXT NOT NULL,
+    -- JSON list of path prefixes (the table's directories under each warehouse root): an
+    -- entry recycled with no names (a file system hook's) is held by where it was.
+    paths   TEXT NOT NULL DEFAULT '[]'
 );
 
 -- The recycle journal: a transaction and, per file, where it is staged and how.
@@ -268,8 +272,15 @@ def _v6(db: sqlite3.Connection) -> None:
     db.execute("CREATE INDEX objects_last ON objects(last)")
 
 
+def _v7(db: sqlite3.Connection) -> None:
+    """Who and what asked for each event (events recorded before say nothing); the
+    directories a hold covers."""
+    db.execute("ALTER TABLE events ADD COLUMN audit TEXT")
+    db.execute("ALTER TABLE holds ADD COLUMN paths TEXT NOT NULL DEFAULT '[]'")
+
+
 MIGRATIONS: list[tuple[int, Callable[[sqlite3.Connection], None]]] = [
-    (1, _v1), (2, _v2), (3, _v3), (4, _v4), (5, _v5), (6, _v6)
+    (1, _v1), (2, _v2), (3, _v3), (4, _v4), (5, _v5), (6, _v6), (7, _v7)
 ]
 
 

@@ -804,6 +804,7 @@ async def add_event(request: web.Request) -> web.Response:
         body.location,
         table_obj,
         body.partitionLocations,
+        body.audit.to_dict() if body.audit is not None else None,
     )
     return _json({"id": event_id})
 
@@ -816,6 +817,9 @@ async def gc(request: web.Request) -> web.Response:
                          "a real sweep reports counts; ask dry_run=true&files=true for names")
     report = await _run(request, svc.gc, q.dry_run, q.files, q.all)
     return _json(report.to_json())
+
+
+_HOLD_ID = re.compile(r"[1-9][0-9]{0,17}")
 
 
 async def holds(request: web.Request) -> web.Response:
@@ -836,7 +840,7 @@ async def remove_hold(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     _query(request, schemas.NoQuery)
     raw = request.match_info["id"]
-    if not raw.isdigit() or len(raw) > 18:
+    if not _HOLD_ID.fullmatch(raw):  # ASCII digits only: int() reads other scripts' too
         raise BadRequest("bad hold id", f"{raw[:50]!r}: give the number `cmroot hold ls` shows")
     await _run(request, svc.store.remove_hold, int(raw))
     return _json({"removed": int(raw)})

@@ -713,6 +713,8 @@ def _reload(
                 interval=fresh.store.interval,
                 on_expire=fresh.store.on_expire,
                 retain_overrides=fresh.store.retain_overrides,
+                max_bytes=fresh.store.max_bytes,
+                min_retain=fresh.store.min_retain,
             )
         )
         sched.reschedule_job("sweep", trigger=_trigger(fresh.store.interval))

@@ -30,6 +30,7 @@ MAX_PARTITION_KEYS = 256
 MAX_INT = 2**63 - 1  # SQLite's integers
 MAX_TIMESTAMP = 1e11  # seconds since the epoch: year 5138
 _ECHO = 200  # characters of a refused value echoed back in a detail
+MAX_AUDIT = 1 << 16  # characters of an audit field accepted (the store keeps fewer)
 
 Name = Annotated[str, Meta(max_length=MAX_NAME)]
 PathStr = Annotated[str, Meta(min_length=1, max_length=MAX_PATH)]
@@ -41,6 +42,18 @@ Partition = Annotated[
 Partitions = Annotated[list[Partition], Meta(max_length=MAX_ITEMS)]
 TxId = Annotated[str, Meta(pattern="^[0-9a-f]{32}$")]
 Lease = Annotated[float, Meta(ge=1, le=86400)]  # seconds (= store.recycle.MAX_LEASE)
+
+
+class Audit(Struct, forbid_unknown_fields=True, frozen=True, omit_defaults=True):
+    """Who and what asked (cmroot.audit): long values are cut there, not refused here."""
+
+    user: Annotated[str, Meta(max_length=MAX_AUDIT)] | None = None
+    host: Annotated[str, Meta(max_length=MAX_AUDIT)] | None = None
+    app: Annotated[str, Meta(max_length=MAX_AUDIT)] | None = None
+    statement: Annotated[str, Meta(max_length=MAX_AUDIT)] | None = None
+
+    def to_dict(self) -> dict[str, str]:
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
 
 
 class RecycleBody(Struct, forbid_unknown_fields=True, frozen=True):
@@ -62,6 +75,7 @@ class RecycleBody(Struct, forbid_unknown_fields=True, frozen=True):
     prepare: bool = False
     txid: TxId | None = None
     lease: Lease | None = None
+    audit: Audit | None = None
 
     def request(self) -> RecycleRequest:
         """The store's request, checked by its own rules (a destructive op, ...)."""
@@ -75,6 +89,7 @@ class RecycleBody(Struct, forbid_unknown_fields=True, frozen=True):
             partitions=self.partitions or [],
             location=self.location,
             partition_locations=self.partitionLocations or [],
+            audit=self.audit.to_dict() if self.audit is not None else None,
         )
         req.validate()
         return req
@@ -137,6 +152,7 @@ class EventBody(
     # Where each of `partitions` lives, in order; null for one outside the warehouse roots.
     partitionLocations: Annotated[list[PathStr | None], Meta(max_length=MAX_ITEMS)] | None = None
     table_json: Raw = Raw(b"null")  # decoded by table_obj(), once its size is known
+    audit: Audit | None = None
 
     def table_obj(self) -> dict[str, Any] | None:
         """The table definition, refused when over ACCEPTED_TABLE_OBJ bytes or

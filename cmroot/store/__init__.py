@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from cmroot import audit as audit_mod
 from cmroot import checksum as cks
 from cmroot.config import Config, StoreConfig, local_path
 from cmroot.exceptions import BadRequest, CmrootError, ConfigError, Forbidden, NotFound
@@ -156,6 +157,7 @@ class Store:
         location: str | None = None,
         table_obj: dict[str, Any] | None = None,
         partition_locations: list[str | None] | None = None,
+        audit: dict[str, str] | None = None,
     ) -> int:
         """Record a non-destructive event (CREATE_TABLE, ADD_PARTITION, INSERT, ...), or a
         drop that held no data. A file given without its checksum is hashed here, from disk:
@@ -192,6 +194,7 @@ class Store:
                 where,
                 table_obj,
                 places,
+                audit_mod.clean(audit),
             )
         )
 
@@ -275,22 +278,50 @@ class Store:
             raise BadRequest(
                 "bad until", f"{until!r}: give a time in the future (seconds since the epoch)"
             )
-        if not isinstance(reason, str) or not reason.strip() or len(reason) > MAX_REASON:
+        if (
+            not isinstance(reason, str) or not reason.strip() or len(reason) > MAX_REASON
+            or not _encodable(reason)
+        ):
             raise BadRequest(
-                "bad reason", f"say why the hold is needed, in at most {MAX_REASON} characters"
+                "bad reason",
+                f"say why the hold is needed, in at most {MAX_REASON} characters of text",
             )
         assert isinstance(db, str) and (table is None or isinstance(table, str))
-        hold = self.index.add_hold(db, table, float(until), reason.strip(), now)
+        # Under the lock a sweep removes a page under: once this returns, no sweep removes
+        # anything the hold covers (a page in progress finishes first).
+        with self.objects.exclusive():
+            hold = self.index.add_hold(
+                db, table, float(until), reason.strip(), now,
+                self._hold_paths(db.lower(), table.lower() if table else None),
+            )
         log.info("hold added", extra={"hold": hold.id, "db": hold.db, "table": hold.table,
                                       "until": hold.until, "reason": hold.reason})
         return hold
+
+    def _hold_paths(self, db: str, table: str | None) -> list[str]:
+        """Where the held table (or database) lives by the warehouse layout, under each
+        root: entries recycled with no names there are held too. The default database's
+        tables sit at the roots' tops, beside the other databases: a hold of all of it
+        goes by names alone."""
+        out: list[str] = []
+        for r in self.warehouse.roots:
+            base = r.url.rstrip("/")
+            if table is not None:
+                out.append(f"{base}/{db}.db/{table}/")
+                if db == "default":
+                    out.append(f"{base}/{table}/")
+            elif db != "default":
+                out.append(f"{base}/{db}.db/")
+        return out
 
     def holds(self, everything: bool = False) -> list[Hold]:
         """Active holds; with `everything`, those past their `until` too."""
         return self.index.holds(None if everything else self.clock())
 
     def remove_hold(self, hold_id: int) -> None:
-        if not self.index.remove_hold(hold_id):
+        if type(hold_id) is not int or not 0 < hold_id < 2**63 or not self.index.remove_hold(
+            hold_id
+        ):
             raise NotFound("no such hold", f"hold {hold_id} does not exist: see `cmroot hold ls`")
         log.info("hold removed", extra={"hold": hold_id})
 
@@ -383,14 +414,25 @@ class Store:
         housekeeping: bool = True,
     ) -> list[dict[str, Any]]:
         """`entries` as JSON, each saying until when a hold keeps it (`held_until`, null
-        if none does): what GET /v1/entries and `cmroot ls` show."""
+        if none does) and who asked for its recycle (`audit`, its event's, null when
+        unknown): what GET /v1/entries and `cmroot ls` show."""
         rows = self.entries(db, table, limit, cursor, housekeeping)
-        held = self.index.held_until({(e.db, e.table) for e in rows}, self.clock())
-        return [{**e.to_json(), "held_until": held.get(_hold_key(e))} for e in rows]
+        held = self.index.held_until([(e.db, e.table, e.path) for e in rows], self.clock())
+        audits = self.index.audits(e.event_id for e in rows)
+        return [
+            {**e.to_json(), "held_until": until, "audit": audits.get(e.event_id)}
+            for e, until in zip(rows, held, strict=True)
+        ]
 
     def events(self, start: int = 0, limit: int = 100) -> list[Event]:
         return self.index.events(start, limit)
 
 
-def _hold_key(e: Entry) -> tuple[str, str | None]:
-    return ((e.db or "").lower(), e.table.lower() if e.table is not None else None)
+
+def _encodable(text: str) -> bool:
+    """Whether `text` can be stored (no lone surrogates, as an undecodable argv gives)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

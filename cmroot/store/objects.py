@@ -172,6 +172,12 @@ class Objects:
         return out
 
     @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the lock publishes, rollbacks and sweeps take (a hold is added under it)."""
+        with self._lock:
+            yield
+
+    @contextlib.contextmanager
     def settled(self, checksum: str) -> Iterator[bool]:
         """Hold the lock that publishes, rollbacks and sweeps take, and say whether no
         recycle in flight claims `checksum`: a repair that moves, registers or forgets an

@@ -35,8 +35,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from cmroot import audit, faults
 from cmroot import checksum as cks
-from cmroot import faults
 from cmroot.config import StoreConfig
 from cmroot.exceptions import (
     BadRequest,
@@ -76,6 +76,7 @@ class RecycleRequest:
     # The table's partitions' own locations outside its directory: files under them are the
     # labelled table's too (see _one_table).
     partition_locations: Sequence[str] = ()
+    audit: dict[str, str] | None = None  # who and what asked (cmroot.audit), on the event
 
     def validate(self) -> None:
         if (
@@ -107,6 +108,7 @@ class RecycleRequest:
                 "partitionLocations without a table",
                 'partitionLocations are a table\'s partitions: give "table" too',
             )
+        audit.clean(self.audit)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RecycleRequest:
@@ -124,6 +126,7 @@ class RecycleRequest:
             "partitions": [dict(p) for p in self.partitions],
             "location": self.location,
             "partition_locations": list(self.partition_locations),
+            "audit": self.audit,
         }
 
 
@@ -524,6 +527,7 @@ class Recycler:
             purge=req.purge,
             files=[{"path": it.key, "checksum": it.checksum, "size": it.size} for it in items],
             location=req.location,
+            audit=audit.clean(req.audit),
         )
 
     # -- two-phase: prepare, then commit or abort ------------------------------------------

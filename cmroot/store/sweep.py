@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 BATCH = 2000
 REPORT_ROWS = 1000  # removed objects (and failures) a report lists; the rest are counted
+GROUPS = 100_000  # tables and partitions a dry run tells apart
 ERROR_CHARS = 500  # of one failure's message
 
 
@@ -87,10 +88,19 @@ class SweepReport:
 
     def name(self, index: Index, objs: list[StoredObject]) -> None:
         """Say which tables, partitions (and files) the objects a dry run would remove
-        belong to, from their entries."""
+        belong to, from their entries: each path once per object (a path recycled twice
+        with the same bytes is one file), at most GROUPS tables and partitions (the rest
+        counted under one "..." group)."""
+        seen: set[tuple[str, str]] = set()
         for e in index.entries_of([o.checksum for o in objs], self.housekeeping):
+            if (e.path, e.checksum) in seen:
+                continue
+            seen.add((e.path, e.checksum))
             part = ",".join(f"{k}={v}" for k, v in (e.partition or {}).items())
-            group = self.tables.setdefault((e.db or "", e.table or "", part), [0, 0])
+            key = (e.db or "", e.table or "", part)
+            if key not in self.tables and len(self.tables) >= GROUPS:
+                key = ("...", "", "")  # bounded memory: a dry run of 10^6 partitions
+            group = self.tables.setdefault(key, [0, 0])
             group[0] += 1
             group[1] += e.size
             self.files_count += 1

@@ -157,3 +157,16 @@ def test_daemon_down_fails_closed_then_fail_open(daemon: Daemon, fs: CmrootFileS
         n = CmrootFileSystem.fail_open_count
         loose.rm(str(f))
         assert not f.exists() and CmrootFileSystem.fail_open_count == n + 1
+
+
+def test_a_recycle_says_who_asked(daemon: Daemon, fs: CmrootFileSystem) -> None:
+    import getpass
+    import socket
+
+    f = put(daemon.warehouse / "audit.db" / "t" / "part-0.parquet", b"whose bytes")
+    since = daemon.current()
+    fs.rm(str(f))
+    [ev] = daemon.events_after(since)
+    assert ev["audit"]["user"] == getpass.getuser()
+    assert ev["audit"]["host"] == socket.gethostname()
+    assert ev["audit"]["app"]  # the program's name

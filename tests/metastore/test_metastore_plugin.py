@@ -5,6 +5,7 @@ one recycle per call; a refusal or an unreachable daemon fails the call and chan
 
 from __future__ import annotations
 
+import getpass
 import os
 import stat
 import zipfile
@@ -80,6 +81,9 @@ def test_a_dropped_table_keeps_its_files(hms: Hms) -> None:
     assert sorted(kept) == sorted(before)
     for path, data in before.items():
         assert hms.served(path, kept[path]["checksum"]) == data
+    # Who asked: the user the metastore ran the call as, and the Thrift client's address.
+    assert {(e["audit"]["user"], e["audit"]["host"]) for e in events} == {
+        (getpass.getuser(), "127.0.0.1")}
 
 
 def test_a_drop_of_many_partitions_in_one_call_is_one_recycle(hms: Hms) -> None:

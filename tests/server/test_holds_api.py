@@ -127,6 +127,8 @@ def test_bad_hold_requests_are_clear_and_change_nothing(daemon: Daemon) -> None:
         (["hold", "add", "a", "--until", "someday", "--reason", "r"], "someday"),
         (["hold", "add", "a", "--until", "2001-01-01", "--reason", "r"], "bad until"),
         (["hold", "add", "a.b.c", "--until", "1d", "--reason", "r"], "bad table"),
+        (["hold", "add", "a.", "--until", "1d", "--reason", "r"], "bad table"),
+        (["hold", "rm", "99999999999999999999"], "hold ls"),
         (["hold", "add", "a", "--until", "1d"], "--reason"),
         (["hold", "rm", "7"], "no such hold"),
         (["hold", "rm", "x"], "x"),
@@ -136,6 +138,10 @@ def test_bad_hold_requests_are_clear_and_change_nothing(daemon: Daemon) -> None:
         assert word in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) <= 2, r.stderr  # usage line + the error
     assert daemon.request("GET", "/v1/holds?all=true", scope="read").json() == {"holds": []}
+    for raw in ("%C2%B2", "%D9%A1", "0", "-1"):  # digits of other scripts are not ids
+        assert_error(daemon.request("DELETE", f"/v1/holds/{raw}"), 400, "hold id")
+    r = cli(daemon, "hold", "add", "a", "--until", "2099-01-01T00:00Z", "--reason", "r")
+    assert r.returncode == 0 and "2099-01-01 00:00" in r.stdout, r.stderr
     assert daemon.errors() == []
 
 

@@ -243,3 +243,29 @@ def test_paths_outside_the_warehouse_are_not_recycled(lake: Lake, tmp_path: Path
     lake.spark.range(2).write.mode("overwrite").parquet(str(target))
     assert lake.daemon.events_after(since) == []
     assert lake.spark.read.parquet(str(target)).count() == 2
+
+
+def test_events_say_who_and_what_asked(lake: Lake) -> None:
+    """Every recycle and event the hook records carries its audit: the Spark user, this
+    host, the application and the statement's text; `GET /v1/entries` shows it too."""
+    import getpass
+    import socket
+
+    make_partitioned(lake, "audited")
+    since = lake.daemon.current()
+    lake.sql("INSERT OVERWRITE TABLE audited PARTITION (p = 1) VALUES (9)")
+    lake.sql("DROP TABLE audited")
+    events = lake.daemon.events_after(since)
+    assert {e["eventType"] for e in events} >= {"INSERT_OVERWRITE", "DROP_TABLE"}
+    sc = lake.spark.sparkContext
+    for e in events:
+        audit = e.get("audit")
+        assert audit is not None, e
+        assert audit["user"] == sc.sparkUser() == getpass.getuser()
+        assert audit["host"] == socket.gethostname()
+        assert sc.applicationId in audit["app"]
+    statements = {e["eventType"]: e["audit"].get("statement") for e in events}
+    assert statements["DROP_TABLE"] == "DROP TABLE audited", statements
+    assert statements["INSERT_OVERWRITE"].startswith("INSERT OVERWRITE TABLE audited")
+    entries = lake.daemon.client.entries(db="default", table="audited")["entries"]
+    assert entries and all(x["audit"]["statement"] for x in entries)

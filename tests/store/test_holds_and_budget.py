@@ -266,3 +266,29 @@ def test_a_dry_run_names_tables_partitions_and_files(env: Env, store: Store, clo
     assert str(marker) in {f["path"] for f in every["files"]}
     assert every["tables"][0]["files"] == 3  # day=1 with its _SUCCESS
     assert "tables" not in store.gc().to_json()  # a real sweep reports counts only
+
+
+@pytest.mark.parametrize("size", ["0.5B", "9" * 400, "inf", "-1", "1e3", "12 apples"])
+def test_a_bad_budget_stops_the_start_naming_the_key(env: Env, size: str) -> None:
+    from cmroot.exceptions import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        env.config(CMROOT_STORE_MAX_BYTES=size)
+    assert "store.max_bytes" in e.value.message
+
+
+def test_a_table_hold_covers_files_recycled_there_without_names(
+    env: Env, store: Store, clock: Clock
+) -> None:
+    """A file system hook recycles with no db or table: a hold of the table still keeps
+    what was under the table's directory, and a database hold what was under its own."""
+    orders = make_table(env.warehouse, "sales", "orders", [{"p": "1"}], 1, size=10)
+    items = make_table(env.warehouse, "sales", "items", [], 1, size=10)
+    other = make_table(env.warehouse, "hr", "staff", [], 1, size=10)
+    for f in (*orders, *items, *other):
+        store.recycle(RecycleRequest(paths=[f], op="DELETE"))
+    store.add_hold("sales", "orders", clock() + 5 * DAY, "by table")
+    clock.advance(2 * DAY)
+    store.gc()
+    assert kept(store, orders) and gone(store, items) and gone(store, other)
+    assert [e["held_until"] is not None for e in store.listing()] == [True]

@@ -20,7 +20,9 @@ import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Locale;
 import java.util.Map;
+import java.util.concurrent.CopyOnWriteArrayList;
 import java.util.concurrent.atomic.AtomicLong;
+import java.util.function.Supplier;
 import java.util.stream.Stream;
 import org.apache.hadoop.conf.Configuration;
 import org.slf4j.Logger;
@@ -1205,6 +1207,11 @@ public final class Cmroot {
    */
   public static Answer post(String route, Map<String, Object> body, Settings s,
       int timeoutSeconds) {
+    if ((route.equals("/v1/recycle") || route.equals("/v1/events"))
+        && !body.containsKey("audit")) {
+      body = new LinkedHashMap<>(body);
+      body.put("audit", audit());
+    }
     String token;
     try {
       token = s.token();
@@ -1244,6 +1251,62 @@ public final class Cmroot {
       return new Answer(0, null, "the daemon at " + s.url + " is unreachable (" + e
           + "); is `cmroot serve` running?", e);
     }
+  }
+
+  // -- audit: who and what asks (recorded on each event; cmroot/audit.py) -----------------
+
+  private static final List<Supplier<Map<String, String>>> AUDIT_PARTS =
+      new CopyOnWriteArrayList<>();
+  private static final int STATEMENT_CHARS = 1000; // the daemon keeps no more
+  private static volatile String host;
+
+  /**
+   * Add what a module knows of who asks (Spark: its user, application and statement; the
+   * metastore: the calling user and client address), merged over the process's user and host
+   * in the order added. A part that fails is skipped: an audit never fails a recycle.
+   */
+  public static void addAuditPart(Supplier<Map<String, String>> part) {
+    AUDIT_PARTS.add(part);
+  }
+
+  /** The audit sent with every recycle and event. */
+  public static Map<String, String> audit() {
+    Map<String, String> m = new LinkedHashMap<>();
+    m.put("user", System.getProperty("user.name"));
+    m.put("host", hostName());
+    for (Supplier<Map<String, String>> part : AUDIT_PARTS) {
+      try {
+        Map<String, String> more = part.get();
+        if (more != null) {
+          more.forEach((k, v) -> {
+            if (v != null && !v.isEmpty()) {
+              m.put(k, v);
+            }
+          });
+        }
+      } catch (RuntimeException | LinkageError e) {
+        LOG.debug("cmroot: an audit part failed", e);
+      }
+    }
+    m.values().removeIf(v -> v == null || v.isEmpty());
+    String sql = m.get("statement");
+    if (sql != null && sql.length() > STATEMENT_CHARS) {
+      m.put("statement", sql.substring(0, STATEMENT_CHARS - 1) + "\u2026");
+    }
+    return m;
+  }
+
+  private static String hostName() {
+    String h = host;
+    if (h == null) {
+      try {
+        h = java.net.InetAddress.getLocalHost().getHostName();
+      } catch (IOException | RuntimeException e) {
+        h = "";
+      }
+      host = h;
+    }
+    return h;
   }
 
   private static String read(InputStream in) throws IOException {

@@ -29,6 +29,35 @@ import org.apache.hadoop.hive.metastore.events.PreEventContext;
  * transaction, where the call's purge flag is known and a refusal rolls the drop back.
  */
 public class CmrootPreEventListener extends MetaStorePreEventListener {
+  static {
+    Cmroot.addAuditPart(CmrootPreEventListener::audit);
+  }
+
+  /**
+   * The metastore's part of the audit: the user the call runs as and the address of the
+   * Thrift client that made it (when the metastore serves Thrift without SASL; an embedded
+   * metastore has none).
+   */
+  private static java.util.Map<String, String> audit() {
+    java.util.Map<String, String> m = new java.util.LinkedHashMap<>();
+    try {
+      m.put("user",
+          org.apache.hadoop.security.UserGroupInformation.getCurrentUser().getShortUserName());
+    } catch (java.io.IOException e) {
+      Cmroot.LOG.debug("cmroot: no metastore user for the audit", e);
+    }
+    try {
+      Object ip = Class.forName("org.apache.hadoop.hive.metastore.HiveMetaStore$HMSHandler")
+          .getMethod("getThreadLocalIpAddress").invoke(null);
+      if (ip != null) {
+        m.put("host", ip.toString());
+      }
+    } catch (ReflectiveOperationException | RuntimeException e) {
+      Cmroot.LOG.debug("cmroot: no client address for the audit", e);
+    }
+    return m;
+  }
+
 
   public CmrootPreEventListener(Configuration conf) {
     super(conf);

@@ -34,6 +34,7 @@ public final class CmrootStatement implements Statement {
   static {
     // The embedded metastore's listeners stage and record as parts of the running statement.
     Statement.Registry.register(CmrootStatement::current);
+    Cmroot.addAuditPart(CmrootStatement::audit);
   }
 
   final Ctx ctx;
@@ -69,6 +70,8 @@ public final class CmrootStatement implements Statement {
   // renames find them kept.
   private final Set<String> kept = ConcurrentHashMap.newKeySet();
   private final long startedMillis = System.currentTimeMillis();
+  // The SQL text of the statement, when Spark kept it (for the audit); set on the unit.
+  private volatile String sql;
   private volatile boolean open = true;
   private volatile String failure;
 
@@ -79,11 +82,33 @@ public final class CmrootStatement implements Statement {
     this.unit = outer == null ? this : outer.unit;
   }
 
-  /** Open a statement on this thread; {@link #close} it in a finally block. */
-  static CmrootStatement open(Ctx ctx, Cmroot.Settings s) {
+  /**
+   * Open a statement on this thread; {@link #close} it in a finally block. `sql`: its text,
+   * if known (null for a statement nested in another: the outer one's text stands).
+   */
+  static CmrootStatement open(Ctx ctx, Cmroot.Settings s, String sql) {
     CmrootStatement st = new CmrootStatement(ctx, s, current());
+    if (st.unit.sql == null && sql != null) {
+      st.unit.sql = sql;
+    }
     CURRENT.set(st);
     return st;
+  }
+
+  /** Spark's part of the audit: its user and application, and the statement's text. */
+  private static Map<String, String> audit() {
+    Map<String, String> m = new LinkedHashMap<>();
+    scala.Option<org.apache.spark.SparkContext> sc =
+        org.apache.spark.SparkContext$.MODULE$.getActive();
+    if (sc.isDefined()) {
+      m.put("user", sc.get().sparkUser());
+      m.put("app", sc.get().appName() + " " + sc.get().applicationId());
+    }
+    CmrootStatement st = current();
+    if (st != null) {
+      m.put("statement", st.unit.sql);
+    }
+    return m;
   }
 
   /** The statement running on this thread, or null. */

@@ -49,10 +49,22 @@ public final class CmrootStatementCommand extends LogicalPlan implements LeafRun
     return inner;
   }
 
+  /**
+   * The statement's SQL text, for the audit: what the parser kept on the command (its
+   * origin), else the job description the SQL shell and the Thrift server set; else null.
+   */
+  private String sqlText(SparkSession session) {
+    scala.Option<String> text = inner.origin().sqlText();
+    if (text.isDefined()) {
+      return text.get();
+    }
+    return session.sparkContext().getLocalProperty("spark.job.description");
+  }
+
   @Override
   public Seq<Row> run(SparkSession session) {
     Cmroot.Settings s = Cmroot.settings(null);
-    CmrootStatement st = CmrootStatement.open(ctx, s);
+    CmrootStatement st = CmrootStatement.open(ctx, s, sqlText(session));
     try {
       List<Row> rows;
       try {
