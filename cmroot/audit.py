@@ -11,6 +11,7 @@ import getpass
 import os
 import socket
 import sys
+import unicodedata
 from typing import Any
 
 from cmroot.exceptions import BadRequest
@@ -30,12 +31,31 @@ def clean(value: object) -> dict[str, str] | None:
     unknown = sorted(set(value) - set(LIMITS))
     if unknown:
         raise BadRequest("bad audit", f"unknown field {unknown[0]!r}: use {', '.join(LIMITS)}")
-    out = {k: _cut(v.replace("\0", ""), LIMITS[k]) for k, v in value.items() if v}
+    cleaned = {k: _cut(text(v), LIMITS[k]) for k, v in value.items() if v is not None}
+    out = {k: v for k, v in cleaned.items() if v}
     return out or None
 
 
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+def text(value: str) -> str:
+    """`value` as text anyone can print and any JSON encoder can write: the bytes of a name
+    that was not UTF-8 (Python's surrogate escapes, as a Latin-1 login name or program
+    name gives) as U+FFFD, control characters (a newline would forge a row of
+    `cmroot ls`, an escape sequence rewrite the operator's terminal) as spaces, NULs
+    dropped."""
+    try:
+        raw = value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that escapes no byte
+        raw = value.encode("utf-8", "replace")
+    decoded = raw.decode("utf-8", "replace").replace("\0", "")
+    return "".join(" " if _control(c) else c for c in decoded).strip()
+
+
+def _control(c: str) -> bool:
+    return unicodedata.category(c) == "Cc"
+
+
+def _cut(value: str, limit: int) -> str:
+    return value if len(value) <= limit else value[: limit - 1] + "\u2026"
 
 
 def here(app: str | None = None) -> dict[str, str]:
@@ -45,7 +65,7 @@ def here(app: str | None = None) -> dict[str, str]:
     except (KeyError, OSError):  # a uid with no passwd entry (containers)
         user = str(os.getuid())
     name = app or os.path.basename(sys.argv[0] or "python")
-    return {"user": user, "host": socket.gethostname(), "app": name}
+    return {"user": text(user), "host": text(socket.gethostname()), "app": text(name)}
 
 
 def to_text(audit: dict[str, Any] | None) -> str:

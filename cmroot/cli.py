@@ -20,6 +20,7 @@ import signal
 import stat
 import sys
 import time
+import unicodedata
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -35,8 +36,11 @@ from cmroot.exceptions import (
     ChecksumMismatch,
     CmrootError,
     ConfigError,
+    DaemonUnavailable,
+    Forbidden,
     NotFound,
     StoreLocked,
+    Unauthorized,
 )
 from cmroot.logs import setup_cli_logging, setup_logging
 from cmroot.progress import Progress
@@ -641,14 +645,26 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shown(value: str) -> str:
+    """A value as a terminal line may show it: control characters (a newline in a file
+    name would forge a row; an escape sequence rewrite the terminal) and the bytes of a
+    name that is not UTF-8 written as escapes."""
+    return "".join(
+        f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc"
+        else (f"\\x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else c)
+        for c in value
+    )
+
+
 def _utc(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.gmtime(t))
 
 
 def _ls_text(r: dict[str, Any]) -> str:
     """A table with a header, one entry a line, the path last (it is the longest)."""
-    rows = [("RECYCLED (UTC)", "OP", "TABLE", "PARTITION", "SIZE", "EXPIRES (UTC)", "BY",
-             "PATH")]
+    rows: list[tuple[str, ...]] = [
+        ("RECYCLED (UTC)", "OP", "TABLE", "PARTITION", "SIZE", "EXPIRES (UTC)", "BY", "PATH")
+    ]
     for e in r["entries"]:
         table = ".".join(x for x in (e.get("db"), e.get("table")) if x) or "-"
         part = ",".join(f"{k}={v}" for k, v in (e.get("partition") or {}).items()) or "-"
@@ -658,6 +674,7 @@ def _ls_text(r: dict[str, Any]) -> str:
                      audit.to_text(e.get("audit")), e["path"]))
     if len(rows) == 1:
         return "no entries"
+    rows = [tuple(_shown(c) for c in row) for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
              for row in rows]
@@ -704,8 +721,8 @@ def _holds_text(r: dict[str, Any]) -> str:
     if not r["holds"]:
         return "no holds"
     rows = [("ID", "HOLDS", "UNTIL (UTC)", "SINCE (UTC)", "REASON")]
-    rows += [(str(h["id"]), _held_name(h), _utc(h["until"]), _utc(h["created"]), h["reason"])
-             for h in r["holds"]]
+    rows += [(str(h["id"]), _held_name(h), _utc(h["until"]), _utc(h["created"]),
+              _shown(h["reason"])) for h in r["holds"]]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
@@ -762,11 +779,11 @@ def _gc_text(r: dict[str, Any]) -> str:
     for t in r.get("tables") or []:
         name = ".".join(x for x in (t["db"], t["table"]) if x) or "(no table)"
         part = f" [{t['partition']}]" if t.get("partition") else ""
-        lines.append(f"  {name}{part}: {t['files']} files, {_bytes(t['bytes'])}")
+        lines.append(f"  {_shown(name + part)}: {t['files']} files, {_bytes(t['bytes'])}")
     if r.get("tables_truncated"):
         lines.append("  ... more tables: --json lists the first 1,000")
     for f in r.get("files") or []:
-        lines.append(f"  {f['path']}  {_bytes(f['size'])}")
+        lines.append(f"  {_shown(f['path'])}  {_bytes(f['size'])}")
     if r.get("files_truncated"):
         lines.append("  ... more files: --json lists the first 1,000")
     lines += [f"failed {f['checksum']}: {f['error']}" for f in failures[:_GC_SHOWN]]
@@ -810,13 +827,20 @@ def _fsck(args: argparse.Namespace) -> int:
             with _open_store(config) as store:
                 res = store.fsck(args.repair, progress).to_json()
         except StoreLocked:
-            # The daemon holds the store: a check runs here, read-only beside it; a repair
-            # must be the writer's, so it runs in the daemon.
-            if args.repair:
-                log.info("store in use by the daemon: repairing through it",
-                         extra={"url": config.server.base_url})
-                res = _fsck_through(config.server.base_url, args.token, True)
-            else:
+            # The daemon holds the store: it checks (and repairs) exactly, deciding each
+            # finding under the lock its recycles and sweeps take. Only a check, and only
+            # when the daemon cannot be reached, runs here, read-only beside it.
+            try:
+                res = _fsck_through(config.server.base_url, args.token, args.repair)
+            except (DaemonUnavailable, Unauthorized, Forbidden) as e:
+                if args.repair:
+                    raise
+                log.warning(
+                    "the daemon holds the store but did not check it (%s): checking"
+                    " read-only beside it; work in flight may show as findings, check"
+                    " again (an admin token lets the daemon check exactly)", e.message,
+                    extra={"url": config.server.base_url},
+                )
                 with _open_store(config, readonly=True) as store:
                     res = store.fsck(False, progress, online=True).to_json()
     _out(args, res, _fsck_text)

@@ -94,7 +94,8 @@ What is protected, and how:
   to look.
 
 If the daemon refuses or is unreachable, the call raises a CmrootError and nothing is
-deleted, unless `fail_open=True`: then it is logged and counted in
+deleted, unless `fail_open=True` and the daemon is down (unreachable, or a 5xx; a 4xx
+refusal always raises): then it is logged and counted in
 `CmrootFileSystem.fail_open_count`, and files are deleted or replaced without a copy (an
 overwrite whose commit failed is kept likewise; a delete whose commit failed is not: the
 daemon puts its files back, so that still raises).
@@ -363,9 +364,11 @@ class CmrootFileSystem(_Base):  # type: ignore[misc]
 
     # -- talking to the daemon --------------------------------------------------------------
     def _daemon_failed(self, paths: list[str], e: CmrootError) -> None:
-        """The daemon refused or could not be reached: raise, or with fail_open log and
-        count it (the caller then goes on without a copy)."""
-        if not self.fail_open:
+        """The daemon refused or could not be reached: raise, or, when it is down
+        (unreachable or a 5xx) and fail_open is set, log and count it (the caller then goes
+        on without a copy). A 4xx refusal is never failed open: deleting anyway would lose
+        exactly what the daemon refused to take."""
+        if not self.fail_open or e.status < 500:
             detail = str(e) + (self._where_to_write() if isinstance(e, Forbidden) else "")
             if isinstance(e, DaemonUnavailable):
                 detail += (

@@ -93,8 +93,11 @@ LIMITS = {
     "resolve": Limit(workers=2, admitted=16),
     # GET/HEAD /v1/files: a thread opens and checks the file, sendfile does the rest
     "serve": Limit(workers=8, admitted=256),
-    # entries, the event log, POST /v1/gc (a sweep holds its thread to the end)
+    # entries, the event log, holds
     "other": Limit(workers=2, admitted=32),
+    # POST /v1/gc and /v1/fsck, one of each at a time, each holding its thread to the end:
+    # apart, so that replication's reads of the event log never wait behind them
+    "maintenance": Limit(workers=2, admitted=4),
     # /metrics and /readyz answer while every other class is full
     "probe": Limit(workers=2, admitted=8),
 }
@@ -308,8 +311,8 @@ def create_app(service: Service, max_body: int) -> web.Application:
     r.add_get("/v1/events/current", _route("admin", w["other"], current_event))
     r.add_get("/v1/events/{id:[0-9]+}/files", _route("admin", w["other"], event_files))
     r.add_post("/v1/events", _route("write", w["recycle"], add_event))
-    r.add_post("/v1/gc", _route("admin", w["other"], gc))
-    r.add_post("/v1/fsck", _route("admin", w["other"], fsck))
+    r.add_post("/v1/gc", _route("admin", w["maintenance"], gc))
+    r.add_post("/v1/fsck", _route("admin", w["maintenance"], fsck))
     r.add_get("/v1/holds", _route("read", w["other"], holds))
     r.add_post("/v1/holds", _route("admin", w["other"], add_hold))
     r.add_delete("/v1/holds/{id}", _route("admin", w["other"], remove_hold))

@@ -16,13 +16,16 @@ What `--repair` does:
   place and no valid copy of it was found anywhere in the store.
 Stray files are reported, never touched.
 
-Online (`online=True`: inside the running daemon, or read-only beside it), recycles and
-sweeps go on while the walk runs. Each finding is then decided again when it is acted on:
-in the daemon, under the lock publishes take (`Objects.settled`), so an object a recycle
-is between its publish and its index commit is neither registered nor quarantined nor
-forgotten; beside it, findings are checked again against the index and the journal after
-the walk. Rows of expired objects are the sweep's and never reported missing online (a
-sweep unlinks before it forgets).
+Online (`online=True`: inside the running daemon, or read-only beside it), recycles,
+rollbacks and sweeps go on while the walk runs. In the daemon each finding is decided
+again, when it is reported and acted on, under the lock publishes, rollbacks and sweeps
+take (`Objects.settled`): an object a recycle is between its publish and its index commit
+is neither unindexed nor registered, one a rollback removed is not registered, one healed
+since it was hashed is not quarantined, and a sweep unlinks and forgets under that lock,
+so a row with no object under it is a real loss. Beside the daemon (a read-only store, no
+lock) findings are looked at again after the walk; work in flight at that moment (a
+recycle between publish and commit, a sweep between unlink and forget) can still show:
+the CLI checks through the daemon whenever it can reach it.
 
 It streams: `objects/` is walked one `ab/cd` shard at a time in sorted order and compared
 with the index rows of that shard alone (`Index.objects_between`), so memory is one shard's
@@ -89,7 +92,7 @@ class FsckReport:
         self.counts[kind] += 1
         items: list[Any] = getattr(self, kind)
         if len(items) < self.limit:
-            items.append(item)
+            items.append(_printable(item))
 
     @property
     def truncated(self) -> bool:
@@ -183,6 +186,16 @@ def _journaled(
             owned |= _owned(layout, tx)
             published.update(r.checksum for r in tx.rows if r.checksum)
     return owned, published
+
+
+def _printable(item: Any) -> Any:
+    """A finding as JSON can carry it: the bytes of a file name that is not UTF-8 (Python's
+    surrogate escapes) written as \\xNN."""
+    if isinstance(item, str):
+        return item.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    if isinstance(item, dict):
+        return {k: _printable(v) for k, v in item.items()}
+    return item
 
 
 def describe(err: OSError) -> str:
@@ -321,9 +334,10 @@ class _Walk:
         self.in_flight: set[str] = set()
         self.guard: Objects | None = None  # the writer's objects (in the daemon)
         self.online = False
-        # Beside a running daemon: unindexed objects (name, size) to look at again at the
-        # end, when recycles that were in flight have committed.
+        # Beside a running daemon: unindexed objects to look at again at the end, when
+        # recycles that were in flight have committed; corrupt ones (paths) to hash again.
         self.deferred: list[str] = []
+        self.deferred_corrupt: list[str] = []
 
     @contextlib.contextmanager
     def _settled(self, name: str) -> Iterator[bool]:
@@ -408,6 +422,11 @@ class _Walk:
             to_hash.append(e.path)
         for path, res in zip(to_hash, self.pool.map(_try_hash, to_hash), strict=True):
             name = os.path.basename(path)
+            if isinstance(res, OSError) and res.errno in (errno.ENOENT, errno.ENOTDIR):
+                # Gone since the listing (a sweep, a rollback): nothing to hash; its rows,
+                # if any, are settled with the others at the end.
+                present.discard(name)
+                continue
             if isinstance(res, OSError):
                 # Never quarantined, never forgotten: we do not know what it holds.
                 self.report.add("unreadable", {"path": path, "error": describe(res)})
@@ -430,6 +449,9 @@ class _Walk:
             self.recheck.add(shard)
 
     def _corrupt(self, path: str, name: str, shard: str) -> None:
+        if self.online and self.guard is None:
+            self.deferred_corrupt.append(path)  # hashed again once the walk is done
+            return
         with self._settled(name) as free:
             if not free:
                 return  # a recycle of these bytes is healing it (Objects.publish) right now
@@ -450,8 +472,12 @@ class _Walk:
             return
         with self._settled(name) as free:
             # Claimed: between its publish and its commit. Indexed since the shard's rows
-            # were read: committed meanwhile. Neither is unindexed.
-            if not free or (self.online and self.index.get_object(name) is not None):
+            # were read: committed meanwhile. Gone: a rollback removed it. None of them is
+            # unindexed.
+            if not free or (self.online and (
+                self.index.get_object(name) is not None
+                or not os.path.lexists(self.layout.object_path(name))
+            )):
                 return
             self.report.add("unindexed", name)
             if self.repair:
@@ -459,7 +485,12 @@ class _Walk:
 
     def finish(self) -> None:
         """Beside a running daemon: of the objects found unindexed, those still unindexed
-        and in no journaled transaction now (and still there)."""
+        and in no journaled transaction now (and still there); of those found corrupt,
+        those whose bytes still do not hash to their name."""
+        for path in self.deferred_corrupt:
+            again = _try_hash(path)
+            if not isinstance(again, OSError) and again[0] != os.path.basename(path):
+                self.report.add("corrupt", os.path.basename(path))
         if not self.deferred:
             return
         journaled = _journaled(self.layout, self.index, None)[1]
@@ -573,8 +604,6 @@ class _Walk:
                 c
                 for c in sorted(rows)
                 if c not in self.keep_rows and _absent(self.layout.object_path(c))
-                # Online, an expired object is the sweep's: it unlinks, then forgets.
-                and not (self.online and rows[c].expires <= self.now)
             ]
             if self.online:
                 for c in gone:

@@ -139,13 +139,15 @@ class Objects:
 
     def remove(
         self, objs: Sequence[StoredObject], still: Callable[[list[str]], set[str]],
-        now: float, trash: bool,
+        now: float, trash: bool, forget: Callable[[list[str]], None],
     ) -> list[tuple[StoredObject, str | None]]:
         """Delete (or, when `trash` and the object was not purged, trash) objects the sweep
         picked, those of them `still` confirms (still expired, or still evictable, and not
-        held), checked under the lock that publishes and claims. Each comes back with
-        "deleted", "trashed", None if it is claimed, recycled again or held since it was
-        picked, or the error that kept it."""
+        held), checked under the lock that publishes and claims; then `forget` the removed
+        ones' rows under the same lock, so that nobody who takes it (an online fsck) ever
+        sees a row whose object a sweep is between removing and forgetting. Each comes
+        back with "deleted", "trashed", None if it is claimed, recycled again or held since
+        it was picked, or the error that kept it."""
         out: list[tuple[StoredObject, str | None]] = []
         with self._lock:
             free = still([o.checksum for o in objs if o.checksum not in self._claims])
@@ -169,6 +171,7 @@ class Objects:
                     out.append((o, f"{e.strerror or e}: {e.filename or path}"))
                     continue
                 out.append((o, "deleted"))
+            forget([o.checksum for o, outcome in out if outcome in ("deleted", "trashed")])
         return out
 
     @contextlib.contextmanager

@@ -213,9 +213,8 @@ def _expire(
                     going.append(o)
             report.name(index, going)
         else:
-            gone = _remove(objects, page, lambda cs: index.still_expired(cs, now), now, trash,
-                           report, evicted=False)
-            index.forget_expired(gone, now)
+            _remove(objects, page, lambda cs: index.still_expired(cs, now),
+                    lambda cs: index.forget_expired(cs, now), now, trash, report, evicted=False)
         if progress:
             progress(report.removed_objects)
 
@@ -248,10 +247,9 @@ def _evict(
             report.name(index, take)
         else:
             gone = _remove(
-                objects, take, lambda cs: index.still_evictable(cs, cutoff, now), now, trash,
-                report, evicted=True,
+                objects, take, lambda cs: index.still_evictable(cs, cutoff, now),
+                lambda cs: index.forget_evicted(cs, cutoff), now, trash, report, evicted=True,
             )
-            index.forget_evicted(gone, cutoff)
             removed = set(gone)
             stored -= sum(o.size for o in take if o.checksum in removed)
         if progress:
@@ -267,10 +265,11 @@ def _evict(
 
 def _remove(
     objects: Objects, page: list[StoredObject], still: Callable[[list[str]], set[str]],
-    now: float, trash: bool, report: SweepReport, evicted: bool,
+    forget: Callable[[list[str]], None], now: float, trash: bool, report: SweepReport,
+    evicted: bool,
 ) -> list[str]:
     gone = []
-    for o, outcome in objects.remove(page, still, now, trash):
+    for o, outcome in objects.remove(page, still, now, trash, forget):
         if outcome is None:
             report.skipped += 1
         elif outcome in ("deleted", "trashed"):

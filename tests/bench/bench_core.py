@@ -223,10 +223,10 @@ def sweep_phases(store: Store, enabled: bool) -> Iterator[Phases | None]:
         return
     ph = Phases()
     ph.wrap(store.index, "expired", "index.expired (page query)")
-    ph.wrap(store.objects, "remove_expired", "objects.remove_expired [summed over threads]")
+    ph.wrap(store.objects, "remove", "objects.remove (unlinks and forgets a page)")
     ph.wrap(store.index, "get_object", "  index.get_object [summed over threads]")
     ph.wrap(os, "unlink", "  os.unlink [summed over threads]")
-    ph.wrap(store.index, "forget_expired", "index.forget_expired")
+    ph.wrap(store.index, "forget_expired", "  index.forget_expired")
     try:
         yield ph
     finally:

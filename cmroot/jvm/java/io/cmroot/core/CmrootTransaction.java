@@ -196,7 +196,9 @@ public final class CmrootTransaction {
       msg += " (if the daemon staged anything before the answer was lost, it puts it back "
           + "when the lease of " + s.leaseSeconds + " s passes)";
     }
-    if (s.failOpen) {
+    // Fail open only when cmroot is down (unreachable, 5xx): a 4xx is the daemon refusing
+    // this request, and deleting anyway would lose exactly what it refused to take.
+    if (s.failOpen && (a.status == 0 || a.status >= 500)) {
       Cmroot.FAIL_OPEN_DELETES.incrementAndGet();
       Cmroot.LOG.warn("{}; deleting WITHOUT a copy in cmroot because failOpen=true "
           + "(fail-open deletions so far: {})", msg, Cmroot.FAIL_OPEN_DELETES.get());
