@@ -259,24 +259,29 @@ def _v5(db: sqlite3.Connection) -> None:
 
 def _v6(db: sqlite3.Connection) -> None:
     """Holds, and each object's newest recycle time (the capacity guard evicts the
-    oldest first), taken from its entries."""
+    oldest first), taken from its entries. Each part only if missing (an index whose
+    version was set back by hand has them)."""
     db.execute(
-        "CREATE TABLE holds (id INTEGER PRIMARY KEY AUTOINCREMENT, db TEXT NOT NULL,"
-        " tbl TEXT, created REAL NOT NULL, until REAL NOT NULL, reason TEXT NOT NULL)"
+        "CREATE TABLE IF NOT EXISTS holds (id INTEGER PRIMARY KEY AUTOINCREMENT,"
+        " db TEXT NOT NULL, tbl TEXT, created REAL NOT NULL, until REAL NOT NULL,"
+        " reason TEXT NOT NULL)"
     )
-    db.execute("ALTER TABLE objects ADD COLUMN last REAL NOT NULL DEFAULT 0")
-    db.execute(
-        "UPDATE objects SET last = coalesce((SELECT max(recycled) FROM entries e"
-        " WHERE e.checksum = objects.checksum), created)"
-    )
-    db.execute("CREATE INDEX objects_last ON objects(last)")
+    if "last" not in _columns(db, "objects"):
+        db.execute("ALTER TABLE objects ADD COLUMN last REAL NOT NULL DEFAULT 0")
+        db.execute(
+            "UPDATE objects SET last = coalesce((SELECT max(recycled) FROM entries e"
+            " WHERE e.checksum = objects.checksum), created)"
+        )
+    db.execute("CREATE INDEX IF NOT EXISTS objects_last ON objects(last)")
 
 
 def _v7(db: sqlite3.Connection) -> None:
     """Who and what asked for each event (events recorded before say nothing); the
     directories a hold covers."""
-    db.execute("ALTER TABLE events ADD COLUMN audit TEXT")
-    db.execute("ALTER TABLE holds ADD COLUMN paths TEXT NOT NULL DEFAULT '[]'")
+    if "audit" not in _columns(db, "events"):
+        db.execute("ALTER TABLE events ADD COLUMN audit TEXT")
+    if "paths" not in _columns(db, "holds"):
+        db.execute("ALTER TABLE holds ADD COLUMN paths TEXT NOT NULL DEFAULT '[]'")
 
 
 MIGRATIONS: list[tuple[int, Callable[[sqlite3.Connection], None]]] = [
