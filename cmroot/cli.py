@@ -674,13 +674,20 @@ def _ls_text(r: dict[str, Any]) -> str:
                      audit.to_text(e.get("audit")), e["path"]))
     if len(rows) == 1:
         return "no entries"
-    rows = [tuple(_shown(c) for c in row) for row in rows]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
-             for row in rows]
-    if r.get("cursor"):
-        lines.append(f"(more: --cursor {r['cursor']})")
-    return "\n".join(line.rstrip() for line in lines)
+    more = f"\n(more: --cursor {r['cursor']})" if r.get("cursor") else ""
+    return _table(rows) + more
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    """Rows (the header first) in aligned columns, the last one unpadded (it is the
+    longest); every cell as a terminal may show it (`_shown`)."""
+    shown = [tuple(_shown(c) for c in row) for row in rows]
+    widths = [max(len(row[i]) for row in shown) for i in range(len(shown[0]) - 1)]
+    return "\n".join(
+        ("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
+        .rstrip()
+        for row in shown
+    )
 
 
 def _bytes(n: int) -> str:
@@ -720,14 +727,10 @@ def _held_name(h: dict[str, Any]) -> str:
 def _holds_text(r: dict[str, Any]) -> str:
     if not r["holds"]:
         return "no holds"
-    rows = [("ID", "HOLDS", "UNTIL (UTC)", "SINCE (UTC)", "REASON")]
-    rows += [(str(h["id"]), _held_name(h), _utc(h["until"]), _utc(h["created"]),
-              _shown(h["reason"])) for h in r["holds"]]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
-        for row in rows
-    )
+    rows: list[tuple[str, ...]] = [("ID", "HOLDS", "UNTIL (UTC)", "SINCE (UTC)", "REASON")]
+    rows += [(str(h["id"]), _held_name(h), _utc(h["until"]), _utc(h["created"]), h["reason"])
+             for h in r["holds"]]
+    return _table(rows)
 
 
 def _gc(args: argparse.Namespace) -> int:

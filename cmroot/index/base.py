@@ -6,7 +6,9 @@ import sqlite3
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 CACHE_KIB = 64 * 1024
 READER_CACHE_KIB = 8 * 1024
@@ -74,7 +76,7 @@ class Base:
         return self._reader().execute(sql, args).fetchall()
 
 
-def chunks(items: list[str], size: int = 500) -> Iterator[list[str]]:
+def chunks(items: list[T], size: int = 500) -> Iterator[list[T]]:
     """Slices small enough for one `IN (...)` list of SQL parameters."""
     for i in range(0, len(items), size):
         yield items[i : i + size]

@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from cmroot.index.base import Base
+from cmroot.index.base import Base, chunks
 from cmroot.index.records import Event
 
 PAGE_BYTES = 4 << 20  # the most a page's JSON may take; read at call time (tests lower it)
@@ -62,10 +62,8 @@ def dumps(data: Any) -> str:
 class EventLog(Base):
     def audits(self, event_ids: Iterable[int]) -> dict[int, dict[str, str]]:
         """The audit of each of these events that has one."""
-        ids = sorted({i for i in event_ids if i})
         out: dict[int, dict[str, str]] = {}
-        for i in range(0, len(ids), 500):
-            chunk = ids[i : i + 500]
+        for chunk in chunks(sorted({i for i in event_ids if i})):
             for event_id, text in self._query(
                 f"SELECT id, audit FROM events WHERE id IN ({','.join('?' * len(chunk))})"
                 " AND audit IS NOT NULL",

@@ -17,13 +17,14 @@ from cmroot.index.records import Hold, StoredObject
 _OBJECT = "o.checksum, o.size, o.created, o.expires, o.keep, o.last"
 # An object (alias o) with an entry of a table a hold active at :now keeps: by the entry's
 # names, or, for one recycled with none, by where it was (the hold's path prefixes).
-_HELD = (
-    "EXISTS (SELECT 1 FROM entries e JOIN holds h ON h.until > :now"
+# The one rule for which entries (alias e) a hold (alias h) active at :now keeps.
+_KEEPS = (
+    "h.until > :now"
     " AND ((h.db = lower(e.db) AND (h.tbl IS NULL OR h.tbl = lower(e.tbl)))"
     " OR EXISTS (SELECT 1 FROM json_each(h.paths) p"
     " WHERE substr(e.path, 1, length(p.value)) = p.value))"
-    " WHERE e.checksum = o.checksum)"
 )
+_HELD = f"EXISTS (SELECT 1 FROM entries e JOIN holds h ON {_KEEPS} WHERE e.checksum = o.checksum)"
 
 
 class Retention(Base):
@@ -71,26 +72,21 @@ class Retention(Base):
         )[0]
         return int(n), int(size)
 
-    def held_until(
-        self, entries: Sequence[tuple[str | None, str | None, str]], now: float
-    ) -> list[float | None]:
-        """For (db, table, path) of entries, the latest `until` of the holds active at
-        `now` that keep each (None where none does)."""
-        active = [
-            (db, tbl, until, json.loads(paths))
-            for db, tbl, until, paths in self._query(
-                "SELECT db, tbl, until, paths FROM holds WHERE until > ?", (now,)
-            )
-        ]
-        out: list[float | None] = []
-        for db, table, path in entries:
-            names = ((db or "").lower(), (table or "").lower())
-            best: float | None = None
-            for h_db, h_tbl, until, prefixes in active:
-                by_name = db is not None and h_db == names[0] and h_tbl in (None, names[1])
-                if by_name or any(path.startswith(p) for p in prefixes):
-                    best = max(best or 0.0, until)
-            out.append(best)
+    def held_until(self, entry_ids: Sequence[int], now: float) -> dict[int, float]:
+        """For these entries, the latest `until` of the holds active at `now` that keep
+        each, by entry id (entries no hold keeps are left out)."""
+        out: dict[int, float] = {}
+        ids = list(entry_ids)
+        if not ids or not self._any_hold(now):
+            return out
+        for chunk in chunks(ids):
+            names = {f"k{i}": v for i, v in enumerate(chunk)}
+            for entry_id, until in self._query(
+                f"SELECT e.id, max(h.until) FROM entries e JOIN holds h ON {_KEEPS}"
+                f" WHERE e.id IN ({','.join(':' + k for k in names)}) GROUP BY e.id",
+                {"now": now, **names},
+            ):
+                out[int(entry_id)] = float(until)
         return out
 
     # -- expiry ---------------------------------------------------------------------------

@@ -417,16 +417,15 @@ class Store:
         if none does) and who asked for its recycle (`audit`, its event's, null when
         unknown): what GET /v1/entries and `cmroot ls` show."""
         rows = self.entries(db, table, limit, cursor, housekeeping)
-        held = self.index.held_until([(e.db, e.table, e.path) for e in rows], self.clock())
+        held = self.index.held_until([e.id for e in rows], self.clock())
         audits = self.index.audits(e.event_id for e in rows)
         return [
-            {**e.to_json(), "held_until": until, "audit": audits.get(e.event_id)}
-            for e, until in zip(rows, held, strict=True)
+            {**e.to_json(), "held_until": held.get(e.id), "audit": audits.get(e.event_id)}
+            for e in rows
         ]
 
     def events(self, start: int = 0, limit: int = 100) -> list[Event]:
         return self.index.events(start, limit)
-
 
 
 def _encodable(text: str) -> bool:
