@@ -294,6 +294,29 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--with", dest="with_", action="append", default=[], metavar="K=V",
                    help=with_help)
 
+    s = sub.add_parser(
+        "restore", parents=[common],
+        help="undo a drop, truncate or overwrite, or rebuild a table as it was (on Spark)",
+    )
+    s.add_argument("event_id", nargs="?", type=_count, metavar="EVENT_ID",
+                   help="the DROP_TABLE, DROP_PARTITION, TRUNCATE, INSERT_OVERWRITE or"
+                        " DROP_DATABASE event to undo")
+    s.add_argument("--db", help="with --table and --as-of: the table to rebuild")
+    s.add_argument("--table")
+    s.add_argument("--partition", action="append", default=[], metavar="K=V",
+                   help="with --as-of: rebuild this partition only (one K=V per column)")
+    s.add_argument("--as-of", metavar="EVENT_ID|TIME",
+                   help="the table as it was after this event, or at this time (UTC unless"
+                        " it says)")
+    s.add_argument("--as", dest="as_name", metavar="DB.TABLE",
+                   help="restore into this new table instead of in place")
+    s.add_argument("--dry-run", action="store_true",
+                   help="say what would come back; change nothing")
+    s.add_argument("--replace", action="store_true",
+                   help="move live data in the way to the cmroot first (else refused)")
+    s.add_argument("--with", dest="with_", action="append", default=[], metavar="K=V",
+                   help="a Spark setting (or cmroot.url / cmroot.token); repeatable")
+
     s = sub.add_parser("token", parents=[common], help="create API tokens")
     s.add_argument("action", choices=["create"])
     s.add_argument("--scope", choices=["read", "write", "admin"], required=True)
@@ -1086,6 +1109,60 @@ def _repl(args: argparse.Namespace) -> int:
     return 0
 
 
+def _restore(args: argparse.Namespace) -> int:
+    from cmroot.repl.restore import restore
+    from cmroot.repl.session import parse_with, session
+
+    conf, options = parse_with(args.with_)
+    partition: dict[str, str] = {}
+    for item in args.partition:
+        k, sep, v = item.partition("=")
+        if not sep or not k.strip():
+            raise BadRequest("bad --partition", f"{item!r}: write COLUMN=VALUE")
+        partition[k.strip().lower()] = v
+    url = options.get("url") or args.url or _load(args).server.base_url
+    token = options.get("token") or args.token
+    client = Client(url, token, audit={**audit.here("cmroot"),
+                                       "statement": audit.text(" ".join(["cmroot restore",
+                                                                         *sys.argv[2:]]))})
+    with contextlib.closing(client):
+        spark = session("cmroot restore", conf, hook=(url, token))
+        result = restore(
+            spark, client, args.event_id, db=args.db, table=args.table,
+            partition=partition or None, as_of=args.as_of, as_name=args.as_name,
+            dry_run=args.dry_run, replace=args.replace, progress=_ReplProgress(not args.quiet),
+        )
+    _out(args, result.to_json(), _restored)
+    return 0
+
+
+def _restored(r: dict[str, Any]) -> str:
+    """One paragraph per table: what came back (or would), and what went to the cmroot."""
+    lines = []
+    would = r["dry_run"]
+    for t in r["tables"]:
+        what = f"event {t['event']} ({t['op']})" if t["op"] != "AS_OF" else \
+            f"its state at event {t['event']}"
+        lines.append(f"{'would restore' if would else 'restored'} {t['db']}.{t['table']}"
+                     f" to {what}")
+        if t["replaced"]:
+            lines.append("  the live table is dropped first (its files to the cmroot)")
+        if t["created"]:
+            lines.append("  table created")
+        for key, label in (("partitions_added", "partition added"),
+                           ("partitions_dropped", "partition dropped")):
+            for spec in t[key]:
+                lines.append(f"  {label}: " + "/".join(f"{k}={v}" for k, v in spec.items()))
+        lines.append(f"  {t['files']} files ({t['bytes']} bytes); {t['copied']} put back"
+                     f" ({t['copied_bytes']} bytes), the others in place")
+        if t["recycled"]:
+            lines.append(f"  {t['recycled']} live files ({t['recycled_bytes']} bytes) to the"
+                         " cmroot first")
+        if t["events"]:
+            lines.append("  recorded: events " + ", ".join(map(str, t["events"])))
+    return "\n".join(lines)
+
+
 class _ReplProgress:
     """One progress line per phase (events read, files hashed, files copied)."""
 
@@ -1106,6 +1183,7 @@ _VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "get": _get,
     "ls": _ls,
     "hold": _hold,
+    "restore": _restore,
     "gc": _gc,
     "checksum": _checksum,
     "fsck": _fsck,

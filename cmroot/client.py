@@ -161,6 +161,11 @@ class Client:
         self.audit = audit
         self._local = threading.local()
 
+    @property
+    def token(self) -> str | None:
+        """The bearer token this client sends (a job passes it on to its executors)."""
+        return self._token
+
     # -- API -------------------------------------------------------------------------------
     def recycle(
         self, paths: list[str], progress: Callable[[int, int], None] | None = None, **kw: Any

@@ -85,6 +85,16 @@ class Destination:
             out.append(_local(it.next().location()))
         return out
 
+    def partitions(self, db: str, table: str) -> list[tuple[dict[str, str], str]]:
+        """(spec, local directory) of every partition of the table."""
+        parts = self._external().listPartitions(db, table, self._jvm.scala.Option.empty())
+        out = []
+        it = parts.iterator()
+        while it.hasNext():
+            p = it.next()
+            out.append((scala_map(p.spec()), _local(p.location())))
+        return out
+
     def _external(self) -> Any:
         return self.spark._jsparkSession.sharedState().externalCatalog()
 

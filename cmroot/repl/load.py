@@ -13,14 +13,11 @@ does): on the database, or on the table for a one-table replication."""
 
 from __future__ import annotations
 
-import heapq
 import logging
 import os
 import shutil
-import threading
-import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 from urllib.parse import unquote
@@ -36,7 +33,7 @@ from cmroot.repl.transfer import (
     TEMP_PREFIX,
     Copied,
     Copy,
-    copy_all,
+    copy_on_spark,
     daemon_error,
     discard,
     publish,
@@ -895,42 +892,8 @@ class Loader:
         )
 
     def _copy(self, copies: list[Copy]) -> list[Copied]:
-        sc = self.spark.sparkContext
-        url, token = self.daemon_url, self.token
-        # Few tasks (a Spark task costs ~25 ms here), of about equal bytes each.
-        bins = _balanced(copies, max(1, min(len(copies), sc.defaultParallelism * 4)))
-        group = f"cmroot-repl-load-{uuid.uuid4().hex[:8]}"
-        sc.setJobGroup(group, f"cmroot repl load: copy {len(copies)} files", False)
-        rdd = sc.parallelize(bins, len(bins)).mapPartitions(
-            lambda it: copy_all((c for b in it for c in b), url, token)
-        )
-        with self._tracking(sc, group, len(copies), len(bins)):
-            return list(rdd.collect())
-
-    @contextmanager
-    def _tracking(self, sc: Any, group: str, files: int, tasks: int) -> Iterator[None]:
-        """Report the copy job's progress from Spark's status tracker."""
-        stop = threading.Event()
-
-        def poll() -> None:
-            tracker = sc.statusTracker()
-            while not stop.wait(0.5):
-                done = 0
-                for job in tracker.getJobIdsForGroup(group):
-                    info = tracker.getJobInfo(job)
-                    for stage in info.stageIds if info else ():
-                        s = tracker.getStageInfo(stage)
-                        done += s.numCompletedTasks if s else 0
-                self.report("files copied", files * done // tasks, files)
-
-        t = threading.Thread(target=poll, daemon=True)
-        t.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            t.join()
-            self.report("files copied", files, files)
+        return copy_on_spark(self.spark, copies, self.daemon_url, self.token, self.report,
+                             "cmroot repl load")
 
 
 def _rename_names(e: DumpEvent) -> tuple[str, str] | None:
@@ -946,17 +909,6 @@ def _same_columns(a: list[tuple[str, str]], b: list[tuple[str, str]]) -> bool:
         return [(n.lower(), t.replace("`", "").replace(" ", "").lower()) for n, t in cols]
 
     return norm(a) == norm(b)
-
-
-def _balanced(copies: list[Copy], n: int) -> list[list[Copy]]:
-    """`copies` in `n` bins of about equal bytes (largest first, into the lightest bin)."""
-    heap = [(0, i) for i in range(n)]
-    bins: list[list[Copy]] = [[] for _ in range(n)]
-    for c in sorted(copies, key=lambda c: c.size, reverse=True):
-        load, i = heapq.heappop(heap)
-        bins[i].append(c)
-        heapq.heappush(heap, (load + c.size + 4096, i))  # + a file's fixed cost
-    return bins
 
 
 def _sync(dirs: set[str]) -> None:
