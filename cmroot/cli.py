@@ -1138,8 +1138,8 @@ def _restore(args: argparse.Namespace) -> int:
 
 def _restored(r: dict[str, Any]) -> str:
     """One paragraph per table: what came back (or would), and what went to the cmroot."""
-    lines = []
     would = r["dry_run"]
+    lines = [f"{'would create' if would else 'created'} database {d}" for d in r["databases"]]
     for t in r["tables"]:
         what = f"event {t['event']} ({t['op']})" if t["op"] != "AS_OF" else \
             f"its state at event {t['event']}"

@@ -98,6 +98,11 @@ class Destination:
     def _external(self) -> Any:
         return self.spark._jsparkSession.sharedState().externalCatalog()
 
+    def provider(self, db: str, table: str) -> str | None:
+        """The data source the table reads its files with (hive, parquet, ...)."""
+        found = self._catalog().getTableMetadata(self._ident(db, table)).provider()
+        return str(found.get()) if found.isDefined() else None
+
     def partition_columns(self, db: str, table: str) -> list[str]:
         names = self._catalog().getTableMetadata(self._ident(db, table)).partitionColumnNames()
         return [str(names.apply(i)) for i in range(names.size())]

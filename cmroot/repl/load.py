@@ -20,7 +20,6 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
-from urllib.parse import unquote
 
 from cmroot import faults
 from cmroot.client import Client
@@ -30,7 +29,6 @@ from cmroot.repl import dumpdir, tabledef
 from cmroot.repl.catalog import BOOTSTRAP, LAST_ID, SCOPE, SOURCE, Destination, spec_key
 from cmroot.repl.dumpdir import Dump, DumpEvent
 from cmroot.repl.transfer import (
-    TEMP_PREFIX,
     Copied,
     Copy,
     copy_on_spark,
@@ -38,6 +36,7 @@ from cmroot.repl.transfer import (
     discard,
     publish,
     resolve,
+    sweep,
 )
 
 log = logging.getLogger(__name__)
@@ -333,7 +332,7 @@ class Loader:
         for t in tables:
             if not self.dest.has_table(self.db, t):
                 continue
-            _sweep(self.dest.location(self.db, t))
+            sweep([self.dest.location(self.db, t)])
 
     def _sweep_outside(self, copies: list[Copy]) -> None:
         """Sweep what a killed load left in the directories outside the tables' own that
@@ -343,7 +342,7 @@ class Loader:
         for d in {os.path.dirname(c.dst) for c in copies}:
             if d.startswith(root + "/") and d not in self._swept:
                 self._swept.add(d)
-                _sweep(d)
+                sweep([d])
 
     # -- events ---------------------------------------------------------------------------
     def _held(self, e: DumpEvent) -> bool:
@@ -563,14 +562,6 @@ class Loader:
             out.append((src.rstrip("/"), spec))
         return sorted(out, key=lambda p: len(p[0]), reverse=True)
 
-    def _spec_of(self, rel_dir: str, keys: list[str]) -> dict[str, str]:
-        spec = {}
-        for seg in rel_dir.split("/"):
-            k, sep, v = seg.partition("=")
-            if sep and unquote(k) in keys:
-                spec[unquote(k)] = unquote(v)
-        return spec if len(spec) == len(keys) else {}
-
     def _dropped_unknown(self, e: DumpEvent) -> bool:
         """Is `e` about a table the destination lacks, the dump has no definition of, and a
         later event of the dump drops (a bootstrap that never saw a table written and
@@ -612,7 +603,7 @@ class Loader:
                     f" bootstrap of {e.db}.{e.table}",
                 )
             if keys:
-                spec = held or self._spec_of(os.path.relpath(os.path.dirname(dst), base), keys)
+                spec = held or tabledef.spec_of(os.path.relpath(os.path.dirname(dst), base), keys)
                 if spec and spec not in specs:
                     specs.append(spec)
             self._copies[dst] = Copy(path, dst, f["checksum"], int(f["size"]))
@@ -919,14 +910,6 @@ def _sync(dirs: set[str]) -> None:
         if dev not in seen:
             seen.add(dev)
             sync_filesystem(d)
-
-
-def _sweep(top: str) -> None:
-    """Remove the temporaries a killed load left below `top`."""
-    for root, _, files in os.walk(top):
-        for f in files:
-            if f.startswith(TEMP_PREFIX):
-                os.unlink(os.path.join(root, f))
 
 
 def _clear(top: str, keep: set[str], listed: set[str]) -> None:

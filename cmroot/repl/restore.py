@@ -20,7 +20,6 @@ here as an INSERT. A replica replays them as it would the statements."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import logging
@@ -28,7 +27,6 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
-from urllib.parse import unquote
 
 from cmroot import checksum as cks
 from cmroot import faults
@@ -44,6 +42,7 @@ from cmroot.repl.transfer import (
     discard,
     publish,
     resolve,
+    sweep,
 )
 from cmroot.vocab import EventType
 
@@ -110,6 +109,7 @@ class TableResult:
 class RestoreResult:
     dry_run: bool
     tables: list[TableResult]
+    databases: list[str] = field(default_factory=list)  # made again (DROP_DATABASE)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,10 +147,22 @@ def restore(
                                  partition, dst)]
     r = Restorer(spark, client, log_, replace, progress or (lambda what, done, total: None))
     plans = [r.plan(t) for t in targets]  # every check before the first change
+    # A database comes back even when it held no table.
+    dbs = sorted({p.target.dst[0] for p in plans} | set(_dropped_db(log_, event_id)))
+    made = [d for d in dbs if not r.dest.has_db(d)]
     if not dry_run:
+        for d in made:
+            r.dest.create_db(d)
         for p in plans:
             r.apply(p)
-    return RestoreResult(dry_run, [p.result for p in plans])
+    return RestoreResult(dry_run, [p.result for p in plans], made)
+
+
+def _dropped_db(log_: Log, event_id: int | None) -> list[str]:
+    if event_id is None:
+        return []
+    e = log_.event(event_id)
+    return [str(e["db"]).lower()] if e["eventType"] == "DROP_DATABASE" and e.get("db") else []
 
 
 def _check_hooked(spark: Any) -> None:
@@ -172,7 +184,7 @@ def _name(text: str, what: str) -> Name:
 
 def _point(log_: Log, text: str) -> int:
     """--as-of: an event id, or a time (the last event recorded at or before it)."""
-    if text.strip().isdigit():
+    if text.strip().isascii() and text.strip().isdigit():
         return int(text)
     t = text.strip()
     if t[-1:] in ("Z", "z"):
@@ -320,14 +332,16 @@ class State:
             self.files[row.path] = row
 
 
-def _definition(log_: Log, name: Name, before: int) -> dict[str, Any]:
-    """The newest definition of `name` the log holds before event `before`."""
+def _definition(log_: Log, name: Name, before: int,
+                required: bool = True) -> dict[str, Any] | None:
+    """The newest definition of `name` the log holds before event `before` (None, when
+    not `required`, if it holds none)."""
     obj: dict[str, Any] | None = None
     for e in log_.scan(1, before - 1):
         if _defines(e) == name and e["eventType"] in ("CREATE_TABLE", "ALTER_TABLE",
                                                        "ALTER_LOCATION"):
             obj = e["tableObj"]
-    if obj is None:
+    if obj is None and required:
         raise ReplError(
             f"no definition of {'.'.join(name)} in the event log",
             f"the log holds no CREATE_TABLE or ALTER_TABLE of it before event {before} (it"
@@ -384,9 +398,8 @@ def _event_target(log_: Log, e: dict[str, Any], dst: Name | None) -> Target:
         return Target(kind, eid, src, dst or src, _definition(log_, src, eid), location,
                       _places(e), files, whole=True)
     if kind == "DROP_PARTITION":
-        return Target(kind, eid, src, dst or src,
-                      _definition(log_, src, eid) if dst else None, location, _places(e),
-                      files, whole=dst is not None)
+        return Target(kind, eid, src, dst or src, _definition(log_, src, eid, dst is not None),
+                      location, _places(e), files, whole=dst is not None)
     # An overwrite or truncate: undone in place, the partitions its statement made go too.
     drop: list[Spec] = []
     if dst is None:
@@ -396,7 +409,7 @@ def _event_target(log_: Log, e: dict[str, Any], dst: Name | None) -> Target:
                 if spec and spec_key(spec) not in listed and x["eventType"] != "DROP_PARTITION":
                     listed.add(spec_key(spec))
                     drop.append(spec)
-    return Target(kind, eid, src, dst or src, _definition(log_, src, eid) if dst else None,
+    return Target(kind, eid, src, dst or src, _definition(log_, src, eid, dst is not None),
                   location, _places(e), files, whole=dst is not None, drop=drop,
                   alive=dst is None)
 
@@ -485,7 +498,7 @@ class Restorer:
                 else self.dest.partition_columns(db, table))
         replace_table = False
         if exists and obj is not None and not self._same_shape(db, table, obj, keys):
-            if not self.replace:
+            if not self.replace or t.alive:
                 raise ReplError(f"{name} exists with another definition",
                                 "restore under another name (--as DB.TABLE), or give --replace"
                                 " to drop it first (its files go to the cmroot, as a DROP TABLE"
@@ -504,11 +517,33 @@ class Restorer:
             roots = [d for d, _ in places]
             roots += [live_specs[spec_key(s)][0] for s in t.drop if spec_key(s) in live_specs]
         live = _listing(roots)
+        # An external table's drop leaves its files where they are (its event lists none):
+        # they are the table's own, and it comes back over them.
+        adopt = ((not exists or replace_table) and obj is not None
+                 and tabledef.is_external(obj) and t.op in ("DROP_TABLE", "DROP_DATABASE"))
         recycle, copies = [], []
         for path in sorted(live):
             f = want.get(path)
+            if f is None and adopt:
+                continue
             if f is None or not _holds(path, f):
                 recycle.append(path)
+        for d, spec in places:
+            have = live_specs.get(spec_key(spec))
+            if have is not None and have[0] != d:
+                raise ReplError(
+                    f"partition {spec} of {name} exists elsewhere",
+                    f"it lies at {have[0]}, not at {d} where event {t.event} had it: drop"
+                    " it (its files go to the cmroot), or restore under another name (--as)",
+                )
+        if (not exists or replace_table) and obj is not None and not tabledef.is_external(obj):
+            left = _leftovers(location)
+            if left:
+                raise ReplError(
+                    f"{location} holds what a writer left: {left}",
+                    f"Spark makes no managed table {name} over a directory that is not"
+                    " empty: remove it (no table reads it), then run the restore again",
+                )
         for path, f in want.items():
             if path in live and path not in recycle and not replace_table:
                 continue  # (a dropped table's directory goes with it: all are copied)
@@ -526,8 +561,8 @@ class Restorer:
             specs: dict[str, tuple[Spec, str]] = {}
             for d, spec in places:
                 specs[spec_key(spec)] = (spec, d)
-            for path in want:
-                spec = _spec_of(os.path.relpath(os.path.dirname(path), location), keys)
+            for path in list(want) + (sorted(live) if adopt else []):
+                spec = tabledef.spec_of(os.path.relpath(os.path.dirname(path), location), keys)
                 if spec and spec_key(spec) not in specs and path.startswith(location + "/"):
                     specs[spec_key(spec)] = (spec, os.path.join(location,
                                                                 tabledef.partition_dir(spec, keys)))
@@ -553,6 +588,9 @@ class Restorer:
         live = [k.lower() for k in self.dest.partition_columns(db, table)]
         if live != [k.lower() for k in keys]:
             return False
+        if (tabledef.provider(obj) or "hive").lower() != \
+                (self.dest.provider(db, table) or "hive").lower():
+            return False  # the files are read in another format
         want = [(n.lower(), t.replace(" ", "").lower()) for n, t in tabledef.columns(obj)
                 if n.lower() not in live]
         have = [(n.lower(), t.replace(" ", "").lower())
@@ -583,12 +621,13 @@ class Restorer:
             if not dst.startswith(location + "/"):
                 raise ReplError("bad path in the event log", f"event {t.event}: {path}")
             return dst
-        if location == t.location:
+        if location == t.location and any(
+                w is not None and path.startswith(w.rstrip("/") + "/") for _, w in t.partitions):
             return path  # a partition at its own place, restored where it was
         raise BadRequest(
             f"{path} lies outside {'.'.join(t.src)}'s directory",
-            f"a partition at its own location comes back there only: restore event"
-            f" {t.event} without --as",
+            f"only a file of a partition at its own location lies outside its table, and"
+            f" such a partition comes back there only (restore event {t.event} without --as)",
         )
 
     def _dst_dir(self, t: Target, location: str, src: str) -> str:
@@ -635,7 +674,7 @@ class Restorer:
         if p.replace_table:
             self.dest.drop_table(db, table)  # recorded and recycled by the hook
             p.recycle = [path for path in p.recycle if os.path.lexists(path)]
-        _sweep(p.roots)
+        sweep(p.roots)
         if not self.dest.has_table(db, table):
             self._recycle(p)  # what lies where the table is made (--replace)
             self._create(p)
@@ -716,22 +755,13 @@ class Restorer:
             return
         specs: dict[str, Spec] = {}
         for path in todo:
-            spec = _spec_of(os.path.relpath(os.path.dirname(path), p.location), p.keys)
+            spec = tabledef.spec_of(os.path.relpath(os.path.dirname(path), p.location), p.keys)
             if spec:
                 specs[spec_key(spec)] = spec
         p.result.events.append(self.client.add_event(
             "INSERT", db=db, table=table, partitions=list(specs.values()), location=p.location,
             files=[{"path": path} for path in todo],
         ))
-
-
-def _spec_of(rel_dir: str, keys: list[str]) -> Spec:
-    spec = {}
-    for seg in rel_dir.split("/"):
-        k, sep, v = seg.partition("=")
-        if sep and unquote(k) in keys:
-            spec[unquote(k)] = unquote(v)
-    return spec if keys and len(spec) == len(keys) else {}
 
 
 def _listing(roots: Iterable[str]) -> set[str]:
@@ -744,14 +774,13 @@ def _listing(roots: Iterable[str]) -> set[str]:
     return out
 
 
-def _sweep(roots: Iterable[str]) -> None:
-    """Remove the temporaries a killed restore (or load) left below `roots`."""
-    for top in sorted(set(roots)):
-        for d, _, names in os.walk(top):
-            for n in names:
-                if n.startswith(TEMP_PREFIX):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(d, n))
+def _leftovers(top: str) -> str | None:
+    """The first entry in flight (a writer's temporary) below `top`, if any."""
+    for d, dirs, names in os.walk(top):
+        for n in dirs + names:
+            if n.startswith(_IN_FLIGHT):
+                return os.path.join(d, n)
+    return None
 
 
 def _holds(path: str, f: FileRow) -> bool:

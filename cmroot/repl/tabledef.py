@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+from urllib.parse import unquote
 
 from cmroot.exceptions import ReplError
 
@@ -576,3 +577,14 @@ def _escape(value: str) -> str:
     return "".join(
         f"%{ord(c):02X}" if c in '"#%\'*/:=?\\\x7f{[]^' or ord(c) < 0x20 else c for c in value
     )
+
+
+def spec_of(rel_dir: str, keys: list[str]) -> dict[str, str]:
+    """The partition spec a directory below its table names (`p=1/q=a%20b`), or {} when
+    it does not name a value for every one of `keys`."""
+    spec = {}
+    for seg in rel_dir.split("/"):
+        k, sep, v = seg.partition("=")
+        if sep and unquote(k) in keys:
+            spec[unquote(k)] = unquote(v)
+    return spec if keys and len(spec) == len(keys) else {}

@@ -382,6 +382,16 @@ def _from_daemon(
     return Copied(row.dst, temp, source, n, made_dirs=made, via="http")
 
 
+def sweep(tops: Iterable[str]) -> None:
+    """Remove the temporaries a killed load or restore left below `tops`."""
+    for top in sorted(set(tops)):
+        for root, _, files in os.walk(top):
+            for f in files:
+                if f.startswith(TEMP_PREFIX):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(root, f))
+
+
 def publish(done: Iterable[Copied]) -> None:
     """Rename every temporary into place (driver side, after the whole batch arrived)."""
     for c in done:
