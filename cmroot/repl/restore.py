@@ -138,31 +138,28 @@ def restore(
             raise BadRequest("give an event id, or --db/--table with --as-of, not both",
                              "cmroot restore EVENT_ID, or cmroot restore --db D --table T"
                              " --as-of EVENT_ID|TIME")
-        targets = _event_targets(log_, event_id, dst)
+        event = log_.event(event_id)
+        targets = _event_targets(log_, event, dst)
+        # A database comes back even when it held no table.
+        dbs = ([str(event["db"]).lower()]
+               if event["eventType"] == "DROP_DATABASE" and event.get("db") else [])
     else:
         if not (db and table and as_of):
             raise BadRequest("nothing to restore",
                              "give an event id, or --db, --table and --as-of")
         targets = [_as_of_target(log_, (db.lower(), table.lower()), _point(log_, as_of),
                                  partition, dst)]
+        dbs = []
     r = Restorer(spark, client, log_, replace, progress or (lambda what, done, total: None))
     plans = [r.plan(t) for t in targets]  # every check before the first change
-    # A database comes back even when it held no table.
-    dbs = sorted({p.target.dst[0] for p in plans} | set(_dropped_db(log_, event_id)))
-    made = [d for d in dbs if not r.dest.has_db(d)]
+    made = [d for d in sorted({p.target.dst[0] for p in plans} | set(dbs))
+            if not r.dest.has_db(d)]
     if not dry_run:
         for d in made:
             r.dest.create_db(d)
         for p in plans:
             r.apply(p)
     return RestoreResult(dry_run, [p.result for p in plans], made)
-
-
-def _dropped_db(log_: Log, event_id: int | None) -> list[str]:
-    if event_id is None:
-        return []
-    e = log_.event(event_id)
-    return [str(e["db"]).lower()] if e["eventType"] == "DROP_DATABASE" and e.get("db") else []
 
 
 def _check_hooked(spark: Any) -> None:
@@ -332,15 +329,23 @@ class State:
             self.files[row.path] = row
 
 
-def _definition(log_: Log, name: Name, before: int,
-                required: bool = True) -> dict[str, Any] | None:
-    """The newest definition of `name` the log holds before event `before` (None, when
-    not `required`, if it holds none)."""
-    obj: dict[str, Any] | None = None
+def _definitions(log_: Log, before: int) -> dict[Name, dict[str, Any]]:
+    """The newest definition of every table the log holds before event `before`: one
+    pass, however many tables a DROP DATABASE brings back."""
+    out: dict[Name, dict[str, Any]] = {}
     for e in log_.scan(1, before - 1):
-        if _defines(e) == name and e["eventType"] in ("CREATE_TABLE", "ALTER_TABLE",
-                                                       "ALTER_LOCATION"):
-            obj = e["tableObj"]
+        name = _defines(e)
+        if name is not None and e["eventType"] in ("CREATE_TABLE", "ALTER_TABLE",
+                                                   "ALTER_LOCATION"):
+            out[name] = e["tableObj"]
+    return out
+
+
+def _definition(defs: dict[Name, dict[str, Any]], name: Name, before: int,
+                required: bool = True) -> dict[str, Any] | None:
+    """`name`'s definition in `defs` (those before event `before`); None, when not
+    `required`, if there is none."""
+    obj = defs.get(name)
     if obj is None and required:
         raise ReplError(
             f"no definition of {'.'.join(name)} in the event log",
@@ -352,9 +357,8 @@ def _definition(log_: Log, name: Name, before: int,
 
 
 # -- targets ---------------------------------------------------------------------------------
-def _event_targets(log_: Log, event_id: int, dst: Name | None) -> list[Target]:
-    e = log_.event(event_id)
-    kind = str(e["eventType"])
+def _event_targets(log_: Log, e: dict[str, Any], dst: Name | None) -> list[Target]:
+    kind, event_id = str(e["eventType"]), int(e["id"])
     if kind not in UNDOES:
         raise BadRequest(
             f"event {event_id} is a {kind}: nothing to undo",
@@ -365,8 +369,9 @@ def _event_targets(log_: Log, event_id: int, dst: Name | None) -> list[Target]:
     if kind == "DROP_DATABASE":
         if dst is not None:
             raise BadRequest("--as renames one table", "a database comes back under its name")
-        return [_event_target(log_, d, None) for d in _cascade(log_, e)]
-    return [_event_target(log_, e, dst)]
+        defs = _definitions(log_, event_id)
+        return [_event_target(log_, d, None, defs) for d in _cascade(log_, e)]
+    return [_event_target(log_, e, dst, _definitions(log_, event_id))]
 
 
 def _cascade(log_: Log, e: dict[str, Any]) -> list[dict[str, Any]]:
@@ -384,7 +389,8 @@ def _cascade(log_: Log, e: dict[str, Any]) -> list[dict[str, Any]]:
     return list(reversed(out))
 
 
-def _event_target(log_: Log, e: dict[str, Any], dst: Name | None) -> Target:
+def _event_target(log_: Log, e: dict[str, Any], dst: Name | None,
+                  defs: dict[Name, dict[str, Any]]) -> Target:
     kind, eid = str(e["eventType"]), int(e["id"])
     src: Name = (str(e.get("db") or "").lower(), str(e.get("table") or "").lower())
     if not all(src):
@@ -395,10 +401,10 @@ def _event_target(log_: Log, e: dict[str, Any], dst: Name | None) -> Target:
                         "recorded by an older cmroot: fetch its files with cmroot get")
     files = _rows(e)
     if kind == "DROP_TABLE":
-        return Target(kind, eid, src, dst or src, _definition(log_, src, eid), location,
+        return Target(kind, eid, src, dst or src, _definition(defs, src, eid), location,
                       _places(e), files, whole=True)
     if kind == "DROP_PARTITION":
-        return Target(kind, eid, src, dst or src, _definition(log_, src, eid, dst is not None),
+        return Target(kind, eid, src, dst or src, _definition(defs, src, eid, dst is not None),
                       location, _places(e), files, whole=dst is not None)
     # An overwrite or truncate: undone in place, the partitions its statement made go too.
     drop: list[Spec] = []
@@ -409,7 +415,7 @@ def _event_target(log_: Log, e: dict[str, Any], dst: Name | None) -> Target:
                 if spec and spec_key(spec) not in listed and x["eventType"] != "DROP_PARTITION":
                     listed.add(spec_key(spec))
                     drop.append(spec)
-    return Target(kind, eid, src, dst or src, _definition(log_, src, eid, dst is not None),
+    return Target(kind, eid, src, dst or src, _definition(defs, src, eid, dst is not None),
                   location, _places(e), files, whole=dst is not None, drop=drop,
                   alive=dst is None)
 
@@ -463,7 +469,6 @@ def _as_of_target(log_: Log, name: Name, upto: int, partition: Spec | None,
 class Plan:
     target: Target
     result: TableResult
-    exists: bool  # the table existed when planned
     replace_table: bool  # drop the live table first
     location: str  # the restored table's directory
     keys: list[str]
@@ -579,7 +584,7 @@ class Restorer:
                              copied=len(copies), copied_bytes=sum(c.size for c in copies),
                              recycled=len(recycle), replaced=replace_table)
         result.recycled_bytes = sum(_size(p) for p in recycle)
-        return Plan(t, result, exists, replace_table, location, keys, want, copies, recycle,
+        return Plan(t, result, replace_table, location, keys, want, copies, recycle,
                     add, drop, roots)
 
     def _same_shape(self, db: str, table: str, obj: dict[str, Any], keys: list[str]) -> bool:

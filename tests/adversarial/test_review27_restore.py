@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from cmroot import checksum as cks
 from cmroot.cli import main
 from cmroot.exceptions import CmrootError, ReplError
 from cmroot.repl.restore import restore
 from tests.spark.sparklib import Lake, hooked_lake
+from tests.spark.test_restore import do, files, one, parts, rows, run
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -31,42 +31,6 @@ def lake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lake]:
     with hooked_lake(tmp_path_factory.mktemp("review27_restore"), Lake) as lk:
         lk.sql(f"CREATE DATABASE IF NOT EXISTS {DB}")
         yield lk
-
-
-def files(top: Path) -> dict[str, str]:
-    out = {}
-    for d, dirs, names in os.walk(top):
-        dirs[:] = [n for n in dirs if not n.startswith((".", "_"))]
-        for n in names:
-            if not n.startswith((".", "_")):
-                p = os.path.join(d, n)
-                out[os.path.relpath(p, top)] = cks.of_local_file(p)
-    return out
-
-
-def rows(lake: Lake, table: str) -> list[tuple[Any, ...]]:
-    return sorted((tuple(r) for r in lake.sql(f"SELECT * FROM {table}")), key=repr)
-
-
-def parts(lake: Lake, table: str) -> list[str]:
-    return sorted(r[0] for r in lake.sql(f"SHOW PARTITIONS {table}"))
-
-
-def run(lake: Lake, statement: str) -> list[dict[str, Any]]:
-    since = lake.daemon.current()
-    lake.sql(statement)
-    return lake.daemon.events_after(since)
-
-
-def one(events: list[dict[str, Any]], kind: str) -> int:
-    [e] = [e for e in events if e["eventType"] == kind]
-    return int(e["id"])
-
-
-def do(lake: Lake, event_id: int | None = None, **kw: Any) -> tuple[Any, list[dict[str, Any]]]:
-    since = lake.daemon.current()
-    res = restore(lake.spark, lake.daemon.client, event_id, **kw)
-    return res, lake.daemon.events_after(since)
 
 
 def state(lake: Lake, name: str, top: Path) -> tuple[Any, ...]:

@@ -49,7 +49,8 @@ def files(top: Path) -> dict[str, str]:
 
 
 def rows(lake: Lake, table: str) -> list[tuple[Any, ...]]:
-    return sorted(tuple(r) for r in lake.sql(f"SELECT * FROM {table}"))
+    """The table's rows, sorted (by their text: a NULL sorts with the rest)."""
+    return sorted((tuple(r) for r in lake.sql(f"SELECT * FROM {table}")), key=repr)
 
 
 def parts(lake: Lake, table: str) -> list[str]:
