@@ -332,6 +332,13 @@ def _build(raw: dict[str, dict[str, Any]], source: str) -> Config:
     index_path = str(raw["index"].get("path", ""))
     if index_path and not os.path.isabs(index_path):
         raise ConfigError("index.path must be absolute", f"{index_path!r}: write a full path")
+    if not index_path and local_path(root) is None:
+        # SQLite needs a local file; the index is not kept in the store's bucket.
+        raise ConfigError(
+            f"store.root {root} is not a local directory: index.path is needed",
+            "set index.path (CMROOT_INDEX_PATH) to a file on local disk, e.g."
+            " /var/lib/cmroot/index.sqlite; the store's lock and scratch files go beside it",
+        )
     tokens = raw["auth"].get("tokens", [])
     if isinstance(tokens, str):
         tokens = [tokens]

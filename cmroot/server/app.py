@@ -256,7 +256,7 @@ class Service:
             self.store.index.current_event_id()
         except Exception as e:
             raise NotReady("index", e) from e
-        if not os.access(self.store.layout.staging, os.W_OK):
+        if not self.store.layout.writable():
             raise NotReady("store", OSError(f"store {self.store.layout.root} is not writable"))
 
     def close(self) -> None:

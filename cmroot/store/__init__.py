@@ -15,13 +15,13 @@ from typing import Any
 
 from cmroot import audit as audit_mod
 from cmroot import checksum as cks
-from cmroot.config import Config, StoreConfig, local_path
-from cmroot.exceptions import BadRequest, CmrootError, ConfigError, Forbidden, NotFound
+from cmroot.config import Config, StoreConfig
+from cmroot.exceptions import BadRequest, CmrootError, Forbidden, NotFound
 from cmroot.index import Entry, Event, Hold, Index
 from cmroot.store.fsck import LIMIT as FSCK_LIMIT
 from cmroot.store.fsck import FsckReport, fsck
 from cmroot.store.journal import Recovery
-from cmroot.store.layout import Layout
+from cmroot.store.layout import open_layout
 from cmroot.store.objects import Objects
 from cmroot.store.read import Quarantined, Reader, Verified, locate
 from cmroot.store.recycle import (
@@ -63,17 +63,12 @@ class Store:
         clock: Callable[[], float] = time.time,
         readonly: bool = False,
     ) -> None:
-        root = local_path(config.root)
-        if root is None:
-            raise ConfigError(
-                f"store.root {config.root} is not a local path",
-                "object-store roots are not supported yet: use a local directory",
-            )
         self.config = config
         self.index = index
         self.clock = clock
         self.readonly = readonly
-        self.layout = Layout(root)
+        # A remote store keeps its lock and scratch files beside the (always local) index.
+        self.layout = open_layout(config.root, os.path.dirname(os.path.abspath(index.path)))
         self._lock_fd = None if readonly else self.layout.lock()
         self.recovery = Recovery()
         self.warehouse = Warehouse(config.warehouse_roots)

@@ -50,6 +50,7 @@ from cmroot import checksum as cks
 from cmroot import faults
 from cmroot.index import Index, PendingTx, StoredObject
 from cmroot.store.layout import Layout, fsync_dir, same_bytes
+from cmroot.store.layout.local import LocalLayout
 from cmroot.store.objects import Objects
 from cmroot.vocab import TxState
 
@@ -142,6 +143,10 @@ def fsck(
     """Check (and with `repair`, fix) the store. `progress(done, total)` is called once per
     shard directory visited. `guard`: the writer's objects, whose lock and claims every
     repair decides under; `online`: recycles and sweeps run meanwhile (see above)."""
+    if not isinstance(layout, LocalLayout):
+        from cmroot.store.fsck_remote import fsck_remote
+
+        return fsck_remote(layout, index, now, retain, repair, progress, limit, guard, online)
     report = FsckReport(repair, limit)
     owned, in_flight = _journaled(layout, index, None if online else report)
     if not online:
@@ -302,7 +307,7 @@ def _regular(entry: os.DirEntry[str]) -> bool:
 class _Walk:
     def __init__(
         self,
-        layout: Layout,
+        layout: LocalLayout,
         index: Index,
         now: float,
         retain: float,

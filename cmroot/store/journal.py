@@ -31,21 +31,18 @@ the others go on."""
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from cmroot import checksum as cks
 from cmroot import faults
 from cmroot.exceptions import CmrootError
 from cmroot.index import Entry, Event, Index, PendingTx
-from cmroot.store.layout import Layout, fsync_dir, sync_filesystem
-from cmroot.store.objects import Objects, needs_private, private_name
+from cmroot.store.layout import Layout, StagedInfo
+from cmroot.store.layout.local import LocalLayout
+from cmroot.store.objects import Objects
 from cmroot.store.source import RootUnavailable, Session
 from cmroot.store.warehouse import Root, Warehouse
 from cmroot.vocab import FileState, Method, Mode, TxState
@@ -97,7 +94,7 @@ class Journal:
             ((it.seq, it.key, it.staged, it.method) for it in items),
         )
         faults.point("journal.begun")
-        os.makedirs(self.layout.tx_dir(txid), exist_ok=True)
+        self.layout.begin_tx(txid)
 
     def fall_back_to_copy(self, txid: str, it: Item) -> None:
         """A rename was refused (EXDEV: another filesystem, or a bind mount): record that
@@ -144,7 +141,7 @@ class Journal:
                                 extra={"path": it.key, "txid": txid},
                             )
                         faults.point("journal.source_removed")
-            shutil.rmtree(self.layout.tx_dir(txid), ignore_errors=True)
+            self.layout.end_tx(txid)
             faults.point("journal.unstaged")
             for d in dirs:
                 try:
@@ -177,7 +174,8 @@ class Journal:
                     # the root): keep it in the store rather than stop the whole rollback.
                     # A take's upload failed (the store unreachable, say): quarantined,
                     # retried at the next start, when it can usually go back.
-                    if it.method != Method.RENAME or not _regular(it.staged):
+                    info = self.layout.staged_info(it.staged)
+                    if it.method != Method.RENAME or info is None or not info.regular:
                         raise
                     log.warning("a file cannot go back to its source path: kept in the store",
                                 extra={"path": it.key, "error": str(e), "txid": txid})
@@ -187,25 +185,19 @@ class Journal:
                 faults.point("journal.rolled_back_file")
         if displaced:
             self._keep_displaced(txid, displaced, request, now, retain)
-        shutil.rmtree(self.layout.tx_dir(txid), ignore_errors=True)
+        self.layout.end_tx(txid)
         self.index.journal_end(txid)
         return [it.key for it in displaced]
 
     def observe(self, it: Item) -> FileState:
         """Where one file of an open transaction is, from its journal row and the disk."""
-        try:
-            st = os.lstat(it.staged)
-        except FileNotFoundError:
+        info = self.layout.staged_info(it.staged)
+        if info is None:
             return FileState.PLANNED  # never moved, or already put back
-        if stat.S_ISREG(st.st_mode) and it.checksum is None:
-            it.checksum = cks.of_local_file(it.staged)
-        if it.checksum is not None:
-            obj = self.layout.object_path(it.checksum)
-            private = private_name(it.staged)  # a copy published for a hard-linked source
-            if _same_inode(st, obj) or (
-                os.path.lexists(private) and _same_inode(os.lstat(private), obj)
-            ):
-                return FileState.PUBLISHED
+        if info.regular and it.checksum is None:
+            it.checksum = self.layout.hash_staged(it.staged)
+        if it.checksum is not None and self.layout.published(it.staged, info, it.checksum):
+            return FileState.PUBLISHED
         if it.method == Method.RENAME:
             return FileState.STAGED_BY_RENAME
         return FileState.STAGED_BY_COPY
@@ -221,7 +213,7 @@ class Journal:
             if it.checksum:
                 self.objects.discard_unindexed(txid, it.checksum, made_only=True)
             return state
-        assert it.checksum is not None or not stat.S_ISREG(os.lstat(it.staged).st_mode)
+        assert it.checksum is not None or not _regular(self.layout.staged_info(it.staged))
         if state == FileState.PUBLISHED:
             assert it.checksum is not None
             if not self.objects.discard_unindexed(txid, it.checksum) and it.method == Method.RENAME:
@@ -233,26 +225,20 @@ class Journal:
             # statement is gone too (rolled back before us), nobody needs it any more.
             self.objects.discard_unindexed(txid, it.checksum, made_only=True)
         if it.method == Method.COPY or (it.method == Method.TAKE and not whole):
-            os.unlink(it.staged)  # the source never left (a take's copy was never whole)
+            self.layout.unlink_staged(it.staged)  # the source never left (a take's copy
+            # was never whole)
             return FileState.STAGED_BY_COPY
         # A rename, or a take whose copy was whole: the source may be gone. It goes back
         # unless its path holds other bytes now (then the old ones are kept, displaced).
-        if session.put_back(it.rel, it.staged):
+        if self.layout.put_back(session, it.rel, it.staged):
             return FileState.PLANNED
         return FileState.STAGED_BY_RENAME
 
     def _break_link(self, txid: str, it: Item) -> None:
         assert it.checksum is not None
-        tmp = os.path.join(self.layout.tx_dir(txid), f"{it.seq}.object")
-        with open(it.staged, "rb") as src, open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst, cks.CHUNK)
-            dst.flush()
-            os.fsync(dst.fileno())
-        obj = self.layout.object_path(it.checksum)
-        os.rename(tmp, obj)
-        # Durable now: a commit that deduplicated against this object may skip its flush
-        # (published ahead), and the object must never fall back to the warehouse inode.
-        fsync_dir(os.path.dirname(obj))
+        # Only a rename shares an inode with the warehouse, and only a local store renames.
+        assert isinstance(self.layout, LocalLayout)
+        self.layout.break_link(txid, it.seq, it.staged, it.checksum)
 
     def _keep_displaced(
         self, txid: str, items: list[Item], request: dict[str, Any], now: float, retain: float,
@@ -262,11 +248,12 @@ class Journal:
         checksum) as an entry with no event. The log claims no drop."""
         for it in items:
             assert it.checksum is not None
-            st = os.lstat(it.staged)
-            it.size = st.st_size
+            info = self.layout.staged_info(it.staged)
+            assert info is not None
+            it.size = info.size
             self.objects.publish(txid, it.checksum, it.staged,
-                                 private=needs_private(it.staged, st.st_nlink))
-        sync_filesystem(self.layout.root)
+                                 private=self.layout.needs_private(it.staged, info.nlink))
+        self.layout.flush()
         known = self.index.recorded([(it.key, it.checksum or "") for it in items])
         # Skip what an earlier try already kept.
         fresh = [it for it in items if (it.key, it.checksum) not in known]
@@ -274,7 +261,7 @@ class Journal:
         self.index.commit_recycle(None, None, entries)
         self.objects.release(txid, {it.checksum for it in items if it.checksum})
         for it in items:
-            os.unlink(it.staged)
+            self.layout.unlink_staged(it.staged)
         log.warning(
             "source re-created during a failed recycle: kept the old bytes in the store,"
             " with no event",
@@ -344,23 +331,18 @@ class Journal:
         clean-up ran after closing the record): a file there that is also a present object
         goes; anything else stays, for fsck to report."""
         live = set(self.index.pending_txids())
-        for name in os.listdir(self.layout.staging):
+        for name in self.layout.transactions():
             if name in live:
                 continue
-            top = os.path.join(self.layout.staging, name)
             kept = False
-            for dirpath, _, names in os.walk(top):
-                for n in names:
-                    path = os.path.join(dirpath, n)
-                    c = cks.of_local_file(path)
-                    if self.index.get_object(c) is not None and os.path.exists(
-                        self.layout.object_path(c)
-                    ):
-                        os.unlink(path)
-                    else:
-                        kept = True
+            for path in self.layout.staged_files(name):
+                c = self.layout.hash_staged(path)
+                if self.index.get_object(c) is not None and self.layout.object_exists(c):
+                    self.layout.unlink_staged(path)
+                else:
+                    kept = True
             if not kept:
-                shutil.rmtree(top, ignore_errors=True)
+                self.layout.end_tx(name)
 
 
 class Sessions:
@@ -416,16 +398,5 @@ def partition_of(path: str, partitions: Sequence[dict[str, str]]) -> dict[str, s
     return dict(partitions[0]) if len(partitions) == 1 else None
 
 
-def _regular(path: str) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _same_inode(st: os.stat_result, path: str) -> bool:
-    try:
-        other = os.stat(path)
-    except OSError:
-        return False
-    return (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino)
+def _regular(info: StagedInfo | None) -> bool:
+    return info is not None and info.regular

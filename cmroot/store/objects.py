@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from cmroot import checksum as cks
 from cmroot.exceptions import Conflict
 from cmroot.index import Index, StoredObject
-from cmroot.store.layout import Layout, same_bytes
+from cmroot.store.layout import Layout
 
 log = logging.getLogger(__name__)
 
@@ -38,77 +35,30 @@ class Objects:
         """Make `staged` available as object `checksum`; True if this created the object.
         The staged name stays (it is the journal's handle) until the recycle ends. With
         `private`, the object gets a copy of the bytes rather than the staged inode."""
-        obj = self.layout.object_path(checksum)
         if private:
-            staged = self.private_copy(staged, checksum)
+            staged = self.layout.private_copy(staged, checksum)
         with self._lock:
             self._claims.setdefault(checksum, set()).add(txid)
-            try:
-                # A hard link publishes atomically and, unlike rename, never replaces
-                # an object that is already there.
-                try:
-                    os.link(staged, obj)
-                except FileNotFoundError:  # the shard's first object
-                    self.layout.make_shard(checksum)
-                    os.link(staged, obj)
+            if self.layout.link(staged, checksum):
                 self._made.add(checksum)
                 return True
-            except FileExistsError:
-                pass
         # Our claim keeps the object in place while we compare.
-        if same_bytes(staged, obj):
+        if self.layout.same_content(staged, checksum):
             return False
-        if cks.of_local_file(obj) == checksum:
+        if self.layout.hash_object(checksum) == checksum:
             raise Conflict(
                 "checksum collision",
                 f"{staged} and object {checksum} differ in content; nothing was merged",
             )
-        self._heal(checksum, staged, obj)
-        return True
-
-    @staticmethod
-    def private_copy(staged: str, checksum: str) -> str:
-        """A copy of `staged` beside it, fsynced and hashing to `checksum`: what gets
-        linked as the object of a file with other names in the warehouse. Made once (a
-        prepared recycle makes it when it hashes the file; its commit reuses it); a copy
-        whose bytes differ (written through another name since the hash) is refused."""
-        copy = private_name(staged)
-        if os.path.exists(copy):
-            return copy
-        tmp = f"{copy}.tmp"
-        with open(staged, "rb") as src, open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst, cks.CHUNK)
-            dst.flush()
-            os.fsync(dst.fileno())
-        if cks.of_local_file(tmp) != checksum:
-            os.unlink(tmp)
-            raise Conflict(
-                "a file changed while it was recycled",
-                f"{staged} was written to (through another hard link) after it was hashed:"
-                " the recycle is rolled back; try again",
-            )
-        os.rename(tmp, copy)
-        return copy
-
-    def _heal(self, checksum: str, staged: str, obj: str) -> None:
-        """The object's bytes no longer hash to its name (bit rot, or a writer that held
-        the inode open across its recycle), while the staged file does: keep the bad
-        bytes in quarantine for inspection and put the good ones in place, atomically."""
-        os.makedirs(self.layout.quarantine, exist_ok=True)
-        bad = os.path.join(self.layout.quarantine, f"{checksum}.{int(time.time())}")
-        tmp = f"{staged}.heal"
-        os.link(staged, tmp)
-        try:
-            with contextlib.suppress(FileExistsError):
-                os.link(obj, bad)
-            os.rename(tmp, obj)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+        # The object's bytes no longer hash to its name (bit rot, or a writer that held the
+        # inode open across its recycle), while the staged file does: the bad bytes are
+        # kept in quarantine for inspection and the good ones put in place.
+        bad = self.layout.heal(checksum, staged, time.time())
         log.error(
             "stored object was corrupt: replaced by the same content recycled again",
             extra={"checksum": checksum, "quarantined": bad},
         )
+        return True
 
     def claim(self, txid: str, checksum: str) -> None:
         """Claim an object `txid` published before a restart (claims live in memory)."""
@@ -133,8 +83,7 @@ class Objects:
                 return False
             if checksum in self._claims or self.index.get_object(checksum) is not None:
                 return False
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.layout.object_path(checksum))
+            self.layout.unlink_object(checksum)
             return True
 
     def remove(
@@ -155,19 +104,18 @@ class Objects:
                 if o.checksum not in free:
                     out.append((o, None))
                     continue
-                path = self.layout.object_path(o.checksum)
                 try:
                     if trash and o.keep:
-                        day = time.strftime("%Y-%m-%d", time.gmtime(now))
-                        dest = os.path.join(self.layout.trash, day, o.checksum[:2])
-                        os.makedirs(dest, exist_ok=True)
-                        os.rename(path, os.path.join(dest, o.checksum))
+                        self.layout.trash_object(
+                            o.checksum, time.strftime("%Y-%m-%d", time.gmtime(now))
+                        )
                         out.append((o, "trashed"))
                         continue
-                    os.unlink(path)
+                    self.layout.unlink_object(o.checksum)
                 except FileNotFoundError:
                     pass
                 except OSError as e:
+                    path = self.layout.object_path(o.checksum)
                     out.append((o, f"{e.strerror or e}: {e.filename or path}"))
                     continue
                 out.append((o, "deleted"))
@@ -200,15 +148,3 @@ class Objects:
             if not owners:
                 del self._claims[checksum]
                 self._made.discard(checksum)
-
-
-def private_name(staged: str) -> str:
-    """Where `private_copy` keeps its copy of a staged file."""
-    return f"{staged}.private"
-
-
-def needs_private(staged: str, nlink: int) -> bool:
-    """Must the object of this staged file be a copy of its bytes? Yes when the file has
-    other names in the warehouse (writes through them would change the stored bytes), or
-    once prepare copied it so (the other names may have gone since; the copy stays)."""
-    return nlink > 1 or os.path.lexists(private_name(staged))

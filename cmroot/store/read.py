@@ -34,6 +34,7 @@ from cmroot.exceptions import NotFound
 from cmroot.index import Index
 from cmroot.store import confined
 from cmroot.store.layout import Layout
+from cmroot.store.layout.remote import RemoteLayout
 from cmroot.store.source import RootUnavailable
 from cmroot.store.source.local import Ident, LocalSource, ident_of, ident_str
 from cmroot.store.source.remote import fresh_info, remote_ident
@@ -243,7 +244,7 @@ class Reader:
             if cached is not None and cached != c:
                 return None  # known to hold other bytes: do not download it
         h = xxhash.xxh3_128()
-        with tempfile.TemporaryFile(dir=self.layout.staging) as tmp:
+        with tempfile.TemporaryFile(dir=self.layout.scratch) as tmp:
             try:
                 with fs.open(loc.path, "rb") as f:
                     while chunk := f.read(cks.CHUNK):
@@ -261,6 +262,8 @@ class Reader:
 
     # -- store objects --------------------------------------------------------------------
     def _object(self, key: str, c: str, inline_max: int) -> Verified | None:
+        if isinstance(self.layout, RemoteLayout):
+            return self._remote_object(self.layout, key, c, inline_max)
         try:
             with confined.directory(self.layout.objects) as ofd:
                 fd = confined.open_beneath(ofd, object_rel(c), READ_FLAGS)
@@ -286,6 +289,35 @@ class Reader:
             + ("; quarantined" if not self.readonly else "")
             + "; not served: run cmroot fsck",
         )
+
+    def _remote_object(
+        self, layout: RemoteLayout, key: str, c: str, inline_max: int
+    ) -> Verified | None:
+        """An object of a remote store, streamed once into an unnamed local file while
+        hashed: what is served is that verified copy, never the object read again."""
+        spooled = layout.spool_object(c)
+        if spooled is None:
+            return None
+        tmp, got, ident = spooled
+        with tmp:
+            if got != c:
+                if self.on_mismatch is not None:
+                    self.on_mismatch()
+                where = None if self.readonly else layout.quarantine_object(c, ident,
+                                                                            self.clock())
+                log.error(
+                    "checksum mismatch: stored object is corrupt, not served",
+                    extra={"checksum": c, "path": key, "quarantined": where},
+                )
+                raise Quarantined(
+                    "stored object is corrupt",
+                    f"object {c} of {key} does not hash to its name"
+                    + ("; quarantined" if where else "") + "; not served: run cmroot fsck",
+                )
+            fd = os.dup(tmp.fileno())
+        st = os.fstat(fd)
+        data = cks.read_fd(fd, st.st_size) if st.st_size <= inline_max else None
+        return Verified(Status.CMROOT, c, st.st_size, ident_of(st), fd, data)
 
     def _mismatch(self, key: str, c: str, fd: int) -> None:
         if self.on_mismatch is not None:
@@ -326,10 +358,7 @@ class Reader:
             raise
 
     def _quarantined(self, c: str) -> bool:
-        try:
-            return any(n.startswith(c + ".") for n in os.listdir(self.layout.quarantine))
-        except FileNotFoundError:
-            return False
+        return self.layout.quarantined(c)
 
     # -- the check ------------------------------------------------------------------------
     def _check(self, fd: int, c: str, inline_max: int, cache_key: str | None) -> _Check | None:

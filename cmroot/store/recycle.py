@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import re
 import socket
 import sqlite3
@@ -49,8 +48,8 @@ from cmroot.exceptions import (
 )
 from cmroot.index import Entry, Event, Index, PendingTx
 from cmroot.store.journal import Item, Journal, Sessions, entries_of
-from cmroot.store.layout import Layout, sync_filesystem
-from cmroot.store.objects import Objects, needs_private
+from cmroot.store.layout import Layout
+from cmroot.store.objects import Objects
 from cmroot.store.source import Session
 from cmroot.store.warehouse import Root, Warehouse
 from cmroot.vocab import DESTRUCTIVE, FileState, Method, Mode, TxState
@@ -267,7 +266,7 @@ class Recycler:
         commit."""
         try:
             if publish():
-                sync_filesystem(self.layout.root)
+                self.layout.flush()
             faults.point("recycle.flushed")
             event_id = self.journal.commit(txid, mode, self._event(req, items, now),
                                            self._entries(req, items, now), items)
@@ -308,10 +307,16 @@ class Recycler:
         found, dirs = self.warehouse.expand(located)
         items = [
             Item(i, f.key, f.rel, root, self.layout.staged_path(txid, i),
-                 root.source.method(mode), f.size)
+                 self._method(root, mode), f.size)
             for i, (root, f) in enumerate(found, first_seq)
         ]
         return req, mode, items, [d.key for d in dirs]
+
+    def _method(self, root: Root, mode: Mode) -> Method:
+        """How a file of `root` is staged: as its filesystem prefers, except that nothing
+        is renamed into a store that is not a local directory (it is copied there)."""
+        method = root.source.method(mode)
+        return Method.COPY if method == Method.RENAME and not self.layout.renames else method
 
     def _partition_dirs(self, req: RecycleRequest) -> list[str]:
         """The request's declared partition locations, confined and canonical. Never a root
@@ -470,18 +475,21 @@ class Recycler:
             # truncating a mapped file would kill the daemon with SIGBUS. A symlink or a
             # directory swapped in since the listing is refused here (and put back as is).
             it.checksum, it.size, st = cks.of_regular_file(it.staged)
+            nlink = st.st_nlink
         else:
-            it.checksum, it.ident = session.copy_out(it.rel, it.staged)
-            st = os.lstat(it.staged)
-            it.size = st.st_size
+            it.checksum, it.ident = self.layout.stage_copy(session, it.rel, it.staged)
+            info = self.layout.staged_info(it.staged)
+            if info is None:
+                raise NotFound("staged file vanished", f"{it.staged} is gone from the store")
+            it.size, nlink = info.size, info.nlink
             if it.method == Method.TAKE:
                 self._take(txid, it, session)
         if ahead is None:
-            self._publish(txid, it, needs_private(it.staged, st.st_nlink))
-        elif st.st_nlink > 1:
+            self._publish(txid, it, self.layout.needs_private(it.staged, nlink))
+        elif nlink > 1:
             # Prepared: copy a hard-linked file's bytes now, while they are the ones just
             # hashed, not at commit, after the statement's other names may have changed.
-            self.objects.private_copy(it.staged, it.checksum)
+            self.layout.private_copy(it.staged, it.checksum)
             ahead.private.add(it.seq)
 
     def _take(self, txid: str, it: Item, session: Session) -> None:
@@ -494,7 +502,7 @@ class Recycler:
         if not session.remove_if_unchanged(it.rel, it.ident):
             # Not taken (a writer changed or removed it): the copy goes first, so that no
             # rollback puts back a file this recycle never removed.
-            os.unlink(it.staged)
+            self.layout.unlink_staged(it.staged)
             it.checksum = None
             raise Conflict(
                 "a file changed while it was recycled",
@@ -651,7 +659,7 @@ class Recycler:
                 # may rot meanwhile, and the commit drops our copy).
                 if self._publish(txid, it, it.seq in ahead.private):
                     ahead.published.add(it.seq)
-            sync_filesystem(self.layout.root)
+            self.layout.flush()
             ahead.flushed = True
         except Exception as e:
             log.debug("objects not published ahead; the commit will",
@@ -685,8 +693,9 @@ class Recycler:
                     # published ahead before a restart (claims live in memory) meanwhile.
                     self.objects.claim(txid, it.checksum or "")
                     if self.journal.observe(it) != FileState.PUBLISHED:
-                        nlink = os.lstat(it.staged).st_nlink
-                        self._publish(txid, it, needs_private(it.staged, nlink))
+                        info = self.layout.staged_info(it.staged)
+                        nlink = info.nlink if info is not None else 1
+                        self._publish(txid, it, self.layout.needs_private(it.staged, nlink))
                 return len(done) < len(items) or not all(a.flushed for a in ahead)
 
             return self._complete(txid, RecycleRequest.from_json(tx.request), Mode(tx.mode),

@@ -100,9 +100,8 @@ class Resolver:
         recorded = self.index.recorded([(k, c) for _, k, c in rest])
         for i, key, c in rest:
             size = recorded.get((key, c))
-            obj = self.layout.object_path(c)
-            if size is not None and os.path.exists(obj):
-                out[i] = Resolution(key, c, "cmroot", obj, size)
+            if size is not None and self.layout.object_exists(c):
+                out[i] = Resolution(key, c, "cmroot", self.layout.location(c), size)
             else:
                 out[i] = Resolution(key, c, "missing")
         return [r for r in out if r is not None]

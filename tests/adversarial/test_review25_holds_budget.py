@@ -31,7 +31,7 @@ from cmroot_testlib import Clock, Env, object_files, table_dir, write_file
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-import cmroot.store.objects as objects_module
+import cmroot.store.layout.local as local_layout
 from cmroot import checksum as cks
 from cmroot.index import schema as index_schema
 from cmroot.metrics import StoreCollector
@@ -327,7 +327,7 @@ def test_a_hold_added_while_a_sweep_removes_its_page_binds_the_rest_of_the_sweep
                 threads[0].join(0.5)  # the old code acknowledged it here, mid-page
 
     with monkeypatch.context() as m:
-        m.setattr(objects_module.os, "unlink", unlink)
+        m.setattr(local_layout.os, "unlink", unlink)
         store.gc()
     threads[0].join(30)
     assert "hold acknowledged" in log

@@ -37,7 +37,7 @@ from cmroot_testlib import (
     tree,
 )
 
-import cmroot.store.recycle as recycle_mod
+import cmroot.store.layout.local as local_layout
 import cmroot.store.source.local as local_source
 from cmroot import checksum as cks
 from cmroot import faults
@@ -155,8 +155,10 @@ def test_hashing_the_staged_file_fails_on_kth_file(env, store, monkeypatch, k) -
 
 
 def test_flush_before_commit_fails(env, store, monkeypatch) -> None:
-    fault = FailOnKth(recycle_mod.sync_filesystem, 1, OSError(errno.EIO, "injected syncfs failure"))
-    monkeypatch.setattr(recycle_mod, "sync_filesystem", fault)
+    fault = FailOnKth(
+        local_layout.sync_filesystem, 1, OSError(errno.EIO, "injected syncfs failure")
+    )
+    monkeypatch.setattr(local_layout, "sync_filesystem", fault)
     recycle_and_check_rolled_back(env, store)
     assert fault.fired
 

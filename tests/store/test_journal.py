@@ -99,7 +99,7 @@ def test_any_crash_ends_all_at_source_or_all_in_the_store(
         try:
             Store.open(e.config(), clock=e.clock).close()
         except faults.Crash:
-            from cmroot.store.layout import _HELD
+            from cmroot.store.layout.local import _HELD
 
             for fd in _HELD.values():  # the crashed open's lock dies with its "process"
                 os.close(fd)

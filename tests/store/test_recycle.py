@@ -290,7 +290,7 @@ def test_collision_guard_never_merges_different_bytes(env, store: Store, monkeyp
     """Different bytes that really hash to a checksum already filed (a hash collision) make
     the recycle fail whole; nothing is merged and the source stays. No collision of xxh3-128
     is known, so the squatter is made to hash right by replacing the hash of stored files."""
-    import cmroot.store.objects as objects_mod
+    import cmroot.store.layout.local as local_layout
 
     data = b"the real bytes" * 50
     src = str(write_file(env.warehouse / "db.db" / "t" / "f", data))
@@ -300,7 +300,7 @@ def test_collision_guard_never_merges_different_bytes(env, store: Store, monkeyp
     write_file(squatter, b"not the real bytes")
     real = cks.of_local_file
     monkeypatch.setattr(
-        objects_mod.cks, "of_local_file",
+        local_layout.cks, "of_local_file",
         lambda p, *a, **kw: c if str(p) == str(squatter) else real(p, *a, **kw),
     )
     with pytest.raises(Conflict) as ei:

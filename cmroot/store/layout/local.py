@@ -1,0 +1,242 @@
+"""A store in a local (POSIX) directory: files staged by rename where the warehouse is on
+the same filesystem, objects published by hard link (atomic, never replacing one), one
+syncfs(2) to make a commit durable."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import stat
+import threading
+
+from cmroot import checksum as cks
+from cmroot.durable import fsync_dir, sync_filesystem
+from cmroot.exceptions import Conflict, StoreLocked
+from cmroot.store.layout import Layout, StagedInfo, same_bytes
+from cmroot.store.source import Session
+
+# Stores this process holds the write lock of, by real path.
+_HELD: dict[str, int] = {}
+_HELD_LOCK = threading.Lock()
+
+
+class LocalLayout(Layout):
+    local = True
+    renames = True
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.objects = os.path.join(root, "objects")
+        self.staging = os.path.join(root, "staging")
+        self.trash = os.path.join(root, "trash")
+        self.quarantine = os.path.join(root, "quarantine")
+        self.scratch = self.staging
+        for d in (root, self.objects, self.staging):
+            os.makedirs(d, exist_ok=True)
+
+    def make_shard(self, checksum: str) -> None:
+        """Create the object's directory. Callers try their link first and call this only
+        when the directory is missing, so a shard is created on its first use, once."""
+        os.makedirs(f"{self.objects}/{checksum[:2]}/{checksum[2:4]}", exist_ok=True)
+
+    # -- lock, transactions ---------------------------------------------------------------
+    def lock(self) -> int:
+        """Take the store's write lock (released when the process dies, even by kill -9).
+        A second writer in this very process is refused too, by name: flock would refuse
+        it as "in use by pid <our own pid>", and its recovery would roll back our own
+        in-flight recycles."""
+        return take_lock(os.path.join(self.root, "LOCK"), os.path.realpath(self.root), self.root)
+
+    def unlock(self, handle: object) -> None:
+        assert isinstance(handle, int)
+        release_lock(os.path.realpath(self.root), handle)
+
+    def writable(self) -> bool:
+        return os.access(self.staging, os.W_OK)
+
+    def begin_tx(self, txid: str) -> None:
+        os.makedirs(self.tx_dir(txid), exist_ok=True)
+
+    def end_tx(self, txid: str) -> None:
+        shutil.rmtree(self.tx_dir(txid), ignore_errors=True)
+
+    def flush(self) -> None:
+        sync_filesystem(self.root)
+
+    def transactions(self) -> list[str]:
+        return os.listdir(self.staging)
+
+    def staged_files(self, txid: str) -> list[str]:
+        return [os.path.join(d, n) for d, _, names in os.walk(self.tx_dir(txid)) for n in names]
+
+    # -- staged files ---------------------------------------------------------------------
+    def stage_copy(self, session: Session, rel: str, staged: str) -> tuple[str, str]:
+        return session.copy_out(rel, staged)
+
+    def staged_info(self, staged: str) -> StagedInfo | None:
+        try:
+            st = os.lstat(staged)
+        except FileNotFoundError:
+            return None
+        return StagedInfo(stat.S_ISREG(st.st_mode), st.st_size, st.st_nlink, st)
+
+    def hash_staged(self, staged: str) -> str:
+        return cks.of_local_file(staged)
+
+    def unlink_staged(self, staged: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staged)
+
+    def put_back(self, session: Session, rel: str, staged: str) -> bool:
+        return session.put_back(rel, staged)
+
+    def published(self, staged: str, info: StagedInfo, checksum: str) -> bool:
+        assert info.st is not None
+        obj = self.object_path(checksum)
+        private = private_name(staged)  # a copy published for a hard-linked source
+        return _same_inode(info.st, obj) or (
+            os.path.lexists(private) and _same_inode(os.lstat(private), obj)
+        )
+
+    def needs_private(self, staged: str, nlink: int) -> bool:
+        """Yes when the file has other names in the warehouse (writes through them would
+        change the stored bytes), or once prepare copied it so (the other names may have
+        gone since; the copy stays)."""
+        return nlink > 1 or os.path.lexists(private_name(staged))
+
+    def private_copy(self, staged: str, checksum: str) -> str:
+        """A copy of `staged` beside it, fsynced and hashing to `checksum`: what gets
+        linked as the object of a file with other names in the warehouse. Made once (a
+        prepared recycle makes it when it hashes the file; its commit reuses it); a copy
+        whose bytes differ (written through another name since the hash) is refused."""
+        copy = private_name(staged)
+        if os.path.exists(copy):
+            return copy
+        tmp = f"{copy}.tmp"
+        with open(staged, "rb") as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, cks.CHUNK)
+            dst.flush()
+            os.fsync(dst.fileno())
+        if cks.of_local_file(tmp) != checksum:
+            os.unlink(tmp)
+            raise Conflict(
+                "a file changed while it was recycled",
+                f"{staged} was written to (through another hard link) after it was hashed:"
+                " the recycle is rolled back; try again",
+            )
+        os.rename(tmp, copy)
+        return copy
+
+    def break_link(self, txid: str, seq: int, staged: str, checksum: str) -> None:
+        """Give object `checksum`, a hard link of the warehouse file `staged`, bytes of its
+        own (a rollback puts the file back while the object stays)."""
+        tmp = os.path.join(self.tx_dir(txid), f"{seq}.object")
+        with open(staged, "rb") as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, cks.CHUNK)
+            dst.flush()
+            os.fsync(dst.fileno())
+        obj = self.object_path(checksum)
+        os.rename(tmp, obj)
+        # Durable now: a commit that deduplicated against this object may skip its flush
+        # (published ahead), and the object must never fall back to the warehouse inode.
+        fsync_dir(os.path.dirname(obj))
+
+    # -- objects --------------------------------------------------------------------------
+    def link(self, staged: str, checksum: str) -> bool:
+        obj = self.object_path(checksum)
+        # A hard link publishes atomically and, unlike rename, never replaces an object
+        # that is already there.
+        try:
+            try:
+                os.link(staged, obj)
+            except FileNotFoundError:  # the shard's first object
+                self.make_shard(checksum)
+                os.link(staged, obj)
+        except FileExistsError:
+            return False
+        return True
+
+    def same_content(self, staged: str, checksum: str) -> bool:
+        return same_bytes(staged, self.object_path(checksum))
+
+    def hash_object(self, checksum: str) -> str:
+        return cks.of_local_file(self.object_path(checksum))
+
+    def heal(self, checksum: str, staged: str, now: float) -> str:
+        os.makedirs(self.quarantine, exist_ok=True)
+        obj = self.object_path(checksum)
+        bad = os.path.join(self.quarantine, f"{checksum}.{int(now)}")
+        tmp = f"{staged}.heal"
+        os.link(staged, tmp)
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.link(obj, bad)
+            os.rename(tmp, obj)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        return bad
+
+    def object_exists(self, checksum: str) -> bool:
+        return os.path.exists(self.object_path(checksum))
+
+    def unlink_object(self, checksum: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.object_path(checksum))
+
+    def trash_object(self, checksum: str, day: str) -> None:
+        dest = os.path.join(self.trash, day, checksum[:2])
+        os.makedirs(dest, exist_ok=True)
+        os.rename(self.object_path(checksum), os.path.join(dest, checksum))
+
+    def quarantined(self, checksum: str) -> bool:
+        try:
+            return any(n.startswith(checksum + ".") for n in os.listdir(self.quarantine))
+        except FileNotFoundError:
+            return False
+
+
+def take_lock(path: str, key: str, name: str) -> int:
+    """flock `path` for the store known as `name` (`key`: its identity in this process)."""
+    with _HELD_LOCK:
+        if key in _HELD:
+            raise StoreLocked(
+                f"store {name} is already open for writing in this process",
+                "use the Store already open (or close it first), or open this one with"
+                " readonly=True",
+            )
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise StoreLocked(
+                f"store {name} is in use by pid {holder}",
+                "stop that process, or act through the running daemon with --url",
+            ) from None
+        _HELD[key] = fd
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
+
+
+def release_lock(key: str, fd: int) -> None:
+    with _HELD_LOCK:
+        _HELD.pop(key, None)
+    os.close(fd)
+
+
+def private_name(staged: str) -> str:
+    """Where `private_copy` keeps its copy of a staged file."""
+    return f"{staged}.private"
+
+
+def _same_inode(st: os.stat_result, path: str) -> bool:
+    try:
+        other = os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino)

@@ -1,0 +1,347 @@
+"""A store on an fsspec filesystem: an object store above all (`s3://bucket/prefix`).
+
+Nothing can be renamed into it, so every file is staged by copy: a server-side copy when
+the warehouse file is on the same filesystem (on S3, `CopyObject` conditional on the ETag
+that was looked at, so the copy is of that version or fails), an upload otherwise. The
+staged copy is then read once to hash it; that read is the only time its bytes pass
+through the daemon. Publishing is a server-side copy of the staged object to its
+checksum's name, done under the objects' lock and never over an existing object; a
+deduplication compares sizes and content MD5s (single-part ETags), else the bytes.
+Objects share no inode with any warehouse file, so nothing here ever needs a private copy.
+
+The index and the write lock stay on local disk (`work`, beside the index). The store
+root holds an `OWNER` marker naming that index: a second daemon with another index would
+sweep objects it does not know of, so it is refused at open."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+
+import fsspec
+import xxhash
+
+from cmroot import checksum as cks
+from cmroot.exceptions import ChecksumMismatch, ConfigError, StoreLocked
+from cmroot.store.layout import Layout, StagedInfo, streams_equal
+from cmroot.store.layout.local import release_lock, take_lock
+from cmroot.store.source import Session
+from cmroot.store.source.remote import RemoteSession, fresh_info, identity
+
+# CopyObject copies up to 5 GiB in one call; larger objects are copied in parts.
+_COPY_MAX = 5 << 30
+_PART = 1 << 30
+_GLOB = frozenset("*?[]")
+
+
+class RemoteLayout(Layout):
+    local = False
+    renames = False
+
+    def __init__(self, root: str, work: str) -> None:
+        if _GLOB & set(root):
+            raise ConfigError(
+                f"store.root {root} has glob characters",
+                "fsspec expands * ? [ ] in paths: choose a bucket prefix without them",
+            )
+        self.fs, path = fsspec.core.url_to_fs(root)
+        self.root = root.rstrip("/")
+        self.base = path.rstrip("/")
+        self.objects = f"{self.base}/objects"
+        self.staging = f"{self.base}/staging"
+        self.trash = f"{self.base}/trash"
+        self.quarantine = f"{self.base}/quarantine"
+        self.owner = f"{self.base}/OWNER"
+        self.work = work
+        self.scratch = os.path.join(work, "scratch")
+        os.makedirs(self.scratch, exist_ok=True)
+        self._s3 = hasattr(self.fs, "call_s3")
+
+    def location(self, checksum: str) -> str:
+        url: str = self.fs.unstrip_protocol(self.object_path(checksum))
+        return url
+
+    # -- lock, transactions ---------------------------------------------------------------
+    def lock(self) -> int:
+        """The local lock beside the index, then the store's `OWNER` marker: written if
+        absent, else it must name this index."""
+        fd = take_lock(os.path.join(self.work, "store.lock"), f"remote:{self.root}", self.root)
+        me = f"{socket.gethostname()}:{os.path.realpath(self.work)}\n"
+        try:
+            try:
+                with self.fs.open(self.owner, "xb") as f:
+                    f.write(me.encode())
+            except FileExistsError:
+                pass
+            owner = self.fs.cat_file(self.owner).decode(errors="replace")
+        except BaseException:
+            release_lock(f"remote:{self.root}", fd)
+            raise
+        if owner != me:
+            release_lock(f"remote:{self.root}", fd)
+            raise StoreLocked(
+                f"store {self.root} belongs to another index: {owner.strip()}",
+                "run the daemon whose index that is; if that index is gone for good, delete"
+                f" {self.fs.unstrip_protocol(self.owner)} (its objects are then unindexed:"
+                " run `cmroot fsck`)",
+            )
+        return fd
+
+    def unlock(self, handle: object) -> None:
+        assert isinstance(handle, int)
+        release_lock(f"remote:{self.root}", handle)
+
+    def writable(self) -> bool:
+        try:
+            return fresh_info(self.fs, self.owner).get("type") == "file"
+        except Exception:  # unreachable, refused, gone: not ready, whatever the reason
+            return False
+
+    def begin_tx(self, txid: str) -> None:
+        self.fs.makedirs(self.tx_dir(txid), exist_ok=True)  # a no-op on object stores
+
+    def end_tx(self, txid: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            paths = self.fs.find(self.tx_dir(txid))
+            if paths:
+                self.fs.rm(paths)
+        with contextlib.suppress(FileNotFoundError, OSError, NotImplementedError):
+            self.fs.rmdir(self.tx_dir(txid))  # filesystems that keep directories
+
+    def flush(self) -> None:
+        """Nothing to do: an object store acknowledges a write once it is durable."""
+
+    def transactions(self) -> list[str]:
+        self.fs.invalidate_cache(self.staging)
+        try:
+            listed = self.fs.ls(self.staging, detail=False)
+        except FileNotFoundError:
+            return []
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in listed]
+
+    def staged_files(self, txid: str) -> list[str]:
+        self.fs.invalidate_cache(self.tx_dir(txid))
+        try:
+            return list(self.fs.find(self.tx_dir(txid)))
+        except FileNotFoundError:
+            return []
+
+    # -- staged files ---------------------------------------------------------------------
+    def stage_copy(self, session: Session, rel: str, staged: str) -> tuple[str, str]:
+        if isinstance(session, RemoteSession) and session.fs is self.fs:
+            ident = self._server_copy(session.source.path(rel), staged)
+            return self.hash_staged(staged), ident
+        # Another filesystem (a local warehouse, another endpoint): copied out by the
+        # source's own verified copy into scratch, uploaded, and the upload read back.
+        tmp = os.path.join(self.scratch, uuid.uuid4().hex)
+        try:
+            checksum, ident = session.copy_out(rel, tmp)
+            self.fs.put_file(tmp, staged)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        if self.hash_staged(staged) != checksum:
+            raise ChecksumMismatch("copy verification failed",
+                                   f"{staged} does not hash like the file copied to it")
+        return checksum, ident
+
+    def _server_copy(self, src: str, dst: str) -> str:
+        """Copy `src` to `dst` on the store's filesystem without the bytes leaving it, and
+        return the identity of what was copied: on S3, the copy is conditional on the
+        ETag read first, so it is that version or nothing."""
+        info = fresh_info(self.fs, src)
+        ident = identity(info)
+        try:
+            if self._s3 and info.get("ETag"):
+                self._s3_copy(src, dst, info)
+            else:
+                self.fs.cp_file(src, dst)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            if self._changed(src, ident):
+                raise ChecksumMismatch("source changed while copied", f"{src}: try again") from e
+            raise
+        if self._changed(src, ident):  # not conditional (no ETag): looked at after
+            self.unlink_staged(dst)
+            raise ChecksumMismatch("source changed while copied", f"{src}: try again")
+        return ident
+
+    def _s3_copy(self, src: str, dst: str, info: dict[str, Any]) -> None:
+        bucket, key, _ = self.fs.split_path(src)
+        dbucket, dkey, _ = self.fs.split_path(dst)
+        source: dict[str, str] = {"Bucket": bucket, "Key": key}
+        if info.get("VersionId"):
+            source["VersionId"] = info["VersionId"]
+        etag = info["ETag"]
+        size = int(info.get("size") or 0)
+        if size <= _COPY_MAX:
+            self.fs.call_s3("copy_object", Bucket=dbucket, Key=dkey, CopySource=source,
+                            CopySourceIfMatch=etag)
+            return
+        up = self.fs.call_s3("create_multipart_upload", Bucket=dbucket, Key=dkey)
+        try:
+            parts = []
+            for n, start in enumerate(range(0, size, _PART), 1):
+                end = min(start + _PART, size) - 1
+                r = self.fs.call_s3(
+                    "upload_part_copy", Bucket=dbucket, Key=dkey, UploadId=up["UploadId"],
+                    PartNumber=n, CopySource=source, CopySourceIfMatch=etag,
+                    CopySourceRange=f"bytes={start}-{end}",
+                )
+                parts.append({"PartNumber": n, "ETag": r["CopyPartResult"]["ETag"]})
+            self.fs.call_s3("complete_multipart_upload", Bucket=dbucket, Key=dkey,
+                            UploadId=up["UploadId"], MultipartUpload={"Parts": parts})
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.fs.call_s3("abort_multipart_upload", Bucket=dbucket, Key=dkey,
+                                UploadId=up["UploadId"])
+            raise
+
+    def _changed(self, path: str, ident: str) -> bool:
+        try:
+            return identity(fresh_info(self.fs, path)) != ident
+        except FileNotFoundError:
+            return True
+
+    def staged_info(self, staged: str) -> StagedInfo | None:
+        try:
+            info = fresh_info(self.fs, staged)
+        except FileNotFoundError:
+            return None
+        return StagedInfo(info.get("type") == "file", int(info.get("size") or 0))
+
+    def hash_staged(self, staged: str) -> str:
+        return self._hash(staged)
+
+    def _hash(self, path: str) -> str:
+        h = xxhash.xxh3_128()
+        with self.fs.open(path, "rb") as f:
+            while chunk := f.read(cks.CHUNK):
+                h.update(chunk)
+        return h.hexdigest()
+
+    def unlink_staged(self, staged: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(staged)
+
+    def put_back(self, session: Session, rel: str, staged: str) -> bool:
+        """A taken file goes back by the source's own exclusive create (never over a file
+        written there meanwhile), from a local copy of the staged bytes."""
+        with self._spooled(staged) as tmp:
+            if not session.put_back(rel, tmp):
+                return False
+        self.unlink_staged(staged)
+        return True
+
+    @contextmanager
+    def _spooled(self, path: str) -> Iterator[str]:
+        tmp = os.path.join(self.scratch, uuid.uuid4().hex)
+        try:
+            self.fs.get_file(path, tmp)
+            yield tmp
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def published(self, staged: str, info: StagedInfo, checksum: str) -> bool:
+        # No inode to compare: the object is there (ours, or one a rollback of ours may
+        # remove anyway, as nothing indexed or claimed needs it).
+        return self.object_exists(checksum)
+
+    # -- objects --------------------------------------------------------------------------
+    def link(self, staged: str, checksum: str) -> bool:
+        if self.object_exists(checksum):
+            return False
+        self.fs.cp_file(staged, self.object_path(checksum))
+        return True
+
+    def same_content(self, staged: str, checksum: str) -> bool:
+        obj = self.object_path(checksum)
+        a, b = fresh_info(self.fs, staged), fresh_info(self.fs, obj)
+        if int(a.get("size") or 0) != int(b.get("size") or 0):
+            return False
+        ea, eb = a.get("ETag"), b.get("ETag")
+        if ea and ea == eb and "-" not in ea:
+            # Both the MD5 of their content, and both hash alike with xxh3-128: a pair
+            # colliding on both at once is beyond reach (ETags of multipart uploads are
+            # not content MD5s: those are compared byte for byte).
+            return True
+        with self.fs.open(staged, "rb") as x, self.fs.open(obj, "rb") as y:
+            return streams_equal(x, y, cks.CHUNK)
+
+    def hash_object(self, checksum: str) -> str:
+        return self._hash(self.object_path(checksum))
+
+    def heal(self, checksum: str, staged: str, now: float) -> str:
+        obj = self.object_path(checksum)
+        bad = f"{self.quarantine}/{checksum}.{int(now)}"
+        self.fs.cp_file(obj, bad)
+        self.fs.cp_file(staged, obj)
+        return str(self.fs.unstrip_protocol(bad))
+
+    def object_exists(self, checksum: str) -> bool:
+        try:
+            return fresh_info(self.fs, self.object_path(checksum)).get("type") == "file"
+        except FileNotFoundError:
+            return False
+
+    def unlink_object(self, checksum: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self.object_path(checksum))
+
+    def trash_object(self, checksum: str, day: str) -> None:
+        obj = self.object_path(checksum)
+        self.fs.cp_file(obj, f"{self.trash}/{day}/{checksum[:2]}/{checksum}")
+        self.fs.rm_file(obj)
+
+    def quarantined(self, checksum: str) -> bool:
+        self.fs.invalidate_cache(self.quarantine)
+        try:
+            names = self.fs.ls(self.quarantine, detail=False)
+        except FileNotFoundError:
+            return False
+        return any(n.rsplit("/", 1)[-1].startswith(checksum + ".") for n in names)
+
+    # -- reads ----------------------------------------------------------------------------
+    def spool_object(self, checksum: str) -> tuple[IO[bytes], str, str] | None:
+        """Object `checksum` streamed once into an unnamed local file while hashed: the
+        file (at its start), the hash of what was read and the identity it was read at.
+        None if there is no such object."""
+        obj = self.object_path(checksum)
+        try:
+            ident = identity(fresh_info(self.fs, obj))
+        except FileNotFoundError:
+            return None
+        h = xxhash.xxh3_128()
+        tmp = tempfile.TemporaryFile(dir=self.scratch)  # noqa: SIM115 - returned open
+        try:
+            with self.fs.open(obj, "rb") as f:
+                while chunk := f.read(cks.CHUNK):
+                    h.update(chunk)
+                    tmp.write(chunk)
+            tmp.flush()
+            tmp.seek(0)
+        except FileNotFoundError:
+            tmp.close()
+            return None
+        except BaseException:
+            tmp.close()
+            raise
+        return tmp, h.hexdigest(), ident
+
+    def quarantine_object(self, checksum: str, ident: str, now: float) -> str | None:
+        """Move object `checksum` to quarantine if it is still the one read (`ident`)."""
+        obj = self.object_path(checksum)
+        if self._changed(obj, ident):
+            return None
+        bad = f"{self.quarantine}/{checksum}.{int(now)}"
+        self.fs.cp_file(obj, bad)
+        self.fs.rm_file(obj)
+        return str(self.fs.unstrip_protocol(bad))
