@@ -7,6 +7,8 @@ and the fsspec hook over an S3 warehouse protects through it."""
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,7 +20,7 @@ import pytest
 from cmroot import checksum as cks
 from cmroot.exceptions import DaemonUnavailable
 from cmroot.hooks.fsspec import CmrootFileSystem
-from tests.server.cmroot_daemon import Daemon, assert_error
+from tests.server.cmroot_daemon import Daemon, assert_error, clean_env
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -222,3 +224,18 @@ def test_the_fsspec_hook_over_an_s3_warehouse(s3d: S3Daemon) -> None:
     assert [e["eventType"] for e in events] == ["DELETE", "DELETE"]
     assert s3d.get(path, cks.of_bytes(b"version one")) == b"version one"
     assert s3d.get(path, cks.of_bytes(b"version two")) == b"version two"
+
+
+def test_an_unreachable_store_is_a_clear_error(tmp_path: Path) -> None:
+    env = clean_env({
+        "CMROOT_STORE_ROOT": "s3://nowhere/cm",
+        "CMROOT_STORE_WAREHOUSE_ROOTS": str(tmp_path / "wh"),
+        "CMROOT_INDEX_PATH": str(tmp_path / "var" / "index.sqlite"),
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:1",  # nothing listens there
+        "AWS_MAX_ATTEMPTS": "1",
+    })
+    r = subprocess.run([sys.executable, "-m", "cmroot.cli", "gc", "--dry-run"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "cannot reach the store at s3://nowhere/cm" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

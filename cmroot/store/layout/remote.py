@@ -80,9 +80,15 @@ class RemoteLayout(Layout):
             except FileExistsError:
                 pass
             owner = self.fs.cat_file(self.owner).decode(errors="replace")
-        except BaseException:
+        except BaseException as e:
             release_lock(f"remote:{self.root}", fd)
-            raise
+            if not isinstance(e, Exception):
+                raise
+            raise ConfigError(
+                f"cannot reach the store at {self.root}",
+                f"{type(e).__name__}: {e}; check that the bucket exists, the endpoint"
+                " (AWS_ENDPOINT_URL or fsspec's config) and the credentials",
+            ) from None
         if owner != me:
             release_lock(f"remote:{self.root}", fd)
             raise StoreLocked(
@@ -107,6 +113,7 @@ class RemoteLayout(Layout):
         self.fs.makedirs(self.tx_dir(txid), exist_ok=True)  # a no-op on object stores
 
     def end_tx(self, txid: str) -> None:
+        self.fs.invalidate_cache(self.tx_dir(txid))  # a cached listing would miss files
         with contextlib.suppress(FileNotFoundError):
             paths = self.fs.find(self.tx_dir(txid))
             if paths:
