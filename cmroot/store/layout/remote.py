@@ -19,6 +19,7 @@ import contextlib
 import os
 import socket
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,6 +63,10 @@ class RemoteLayout(Layout):
         self.scratch = os.path.join(work, "scratch")
         os.makedirs(self.scratch, exist_ok=True)
         self._s3 = hasattr(self.fs, "call_s3")
+        # Every change to an object's name (publish, heal, quarantine, removal) is made
+        # under this lock: a copy then a delete is not atomic as a rename is, so a reader's
+        # quarantine must never interleave with a heal of the same object.
+        self._names = threading.Lock()
 
     def location(self, checksum: str) -> str:
         url: str = self.fs.unstrip_protocol(self.object_path(checksum))
@@ -264,10 +269,11 @@ class RemoteLayout(Layout):
 
     # -- objects --------------------------------------------------------------------------
     def link(self, staged: str, checksum: str) -> bool:
-        if self.object_exists(checksum):
-            return False
-        self.fs.cp_file(staged, self.object_path(checksum))
-        return True
+        with self._names:
+            if self.object_exists(checksum):
+                return False
+            self.fs.cp_file(staged, self.object_path(checksum))
+            return True
 
     def same_content(self, staged: str, checksum: str) -> bool:
         obj = self.object_path(checksum)
@@ -288,10 +294,24 @@ class RemoteLayout(Layout):
 
     def heal(self, checksum: str, staged: str, now: float) -> str:
         obj = self.object_path(checksum)
-        bad = f"{self.quarantine}/{checksum}.{int(now)}"
-        self.fs.cp_file(obj, bad)
-        self.fs.cp_file(staged, obj)
+        with self._names:
+            bad = self._quarantine_name(checksum, now)
+            try:
+                self.fs.cp_file(obj, bad)
+            except FileNotFoundError:  # quarantined by a reader meanwhile
+                pass
+            self.fs.cp_file(staged, obj)
         return str(self.fs.unstrip_protocol(bad))
+
+    def _quarantine_name(self, checksum: str, now: float) -> str:
+        """A free name in quarantine: `<checksum>.<unix time>`, `.1`, `.2`... after it,
+        so that no quarantined copy ever replaces an earlier one."""
+        base = f"{self.quarantine}/{checksum}.{int(now)}"
+        name, n = base, 0
+        while self.fs.exists(name):
+            n += 1
+            name = f"{base}.{n}"
+        return name
 
     def object_exists(self, checksum: str) -> bool:
         try:
@@ -300,13 +320,14 @@ class RemoteLayout(Layout):
             return False
 
     def unlink_object(self, checksum: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        with self._names, contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.object_path(checksum))
 
     def trash_object(self, checksum: str, day: str) -> None:
         obj = self.object_path(checksum)
-        self.fs.cp_file(obj, f"{self.trash}/{day}/{checksum[:2]}/{checksum}")
-        self.fs.rm_file(obj)
+        with self._names:
+            self.fs.cp_file(obj, f"{self.trash}/{day}/{checksum[:2]}/{checksum}")
+            self.fs.rm_file(obj)
 
     def quarantined(self, checksum: str) -> bool:
         self.fs.invalidate_cache(self.quarantine)
@@ -346,9 +367,10 @@ class RemoteLayout(Layout):
     def quarantine_object(self, checksum: str, ident: str, now: float) -> str | None:
         """Move object `checksum` to quarantine if it is still the one read (`ident`)."""
         obj = self.object_path(checksum)
-        if self._changed(obj, ident):
-            return None
-        bad = f"{self.quarantine}/{checksum}.{int(now)}"
-        self.fs.cp_file(obj, bad)
-        self.fs.rm_file(obj)
+        with self._names:
+            if self._changed(obj, ident):
+                return None  # healed (or removed) since it was read: not the bytes judged
+            bad = self._quarantine_name(checksum, now)
+            self.fs.cp_file(obj, bad)
+            self.fs.rm_file(obj)
         return str(self.fs.unstrip_protocol(bad))
