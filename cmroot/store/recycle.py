@@ -314,9 +314,12 @@ class Recycler:
 
     def _method(self, root: Root, mode: Mode) -> Method:
         """How a file of `root` is staged: as its filesystem prefers, except that nothing
-        is renamed into a store that is not a local directory (it is copied there)."""
+        is renamed into a store that is not a local directory. A move is then a take (the
+        source removed once its copy is journaled), never a copy that leaves it until the
+        commit: a prepared delete must be a delete, or a writer's new file at the path
+        would replace bytes that an abort could then no longer bring back."""
         method = root.source.method(mode)
-        return Method.COPY if method == Method.RENAME and not self.layout.renames else method
+        return Method.TAKE if method == Method.RENAME and not self.layout.renames else method
 
     def _partition_dirs(self, req: RecycleRequest) -> list[str]:
         """The request's declared partition locations, confined and canonical. Never a root

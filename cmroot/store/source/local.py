@@ -234,12 +234,34 @@ class LocalSession(Session):
         try:
             # A link never replaces a file a writer created meanwhile; a crash between it
             # and the unlink leaves two names of one inode, which the next try settles.
-            os.link(staged, name, dst_dir_fd=pfd, follow_symlinks=False)
+            try:
+                os.link(staged, name, dst_dir_fd=pfd, follow_symlinks=False)
+            except OSError as e:
+                if e.errno != errno.EXDEV:
+                    raise
+                self._link_copy(staged, name, pfd)
         except FileExistsError:
             if not self._holds(pfd, name, staged):
                 return False
         os.unlink(staged)
         return True
+
+    def _link_copy(self, staged: str, name: str, pfd: int) -> None:
+        """Put a file that is on another filesystem (a take's copy, fetched back from a
+        store elsewhere) at `name`: copied beside it under a hidden name, flushed, then
+        linked, so it still never replaces a file created meanwhile."""
+        tmp = f".cmroot-put-back-{os.getpid()}-{threading.get_ident()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644, dir_fd=pfd)
+        try:
+            with open(staged, "rb") as src, open(fd, "wb", closefd=False) as dst:
+                while chunk := src.read(cks.CHUNK):
+                    dst.write(chunk)
+            os.fsync(fd)
+            os.link(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd, follow_symlinks=False)
+        finally:
+            os.close(fd)
+            os.unlink(tmp, dir_fd=pfd)
 
     def _holds(self, pfd: int, name: str, staged: str) -> bool:
         """Whether `name` is a regular file with the staged bytes (a put-back that got as

@@ -75,6 +75,8 @@ class RemoteSource(Source):
         out = []
         base = self.path(rel)
         for p, d in self.fs.find(base, detail=True).items():
+            if p.endswith("/") or d.get("type") == "directory":
+                continue  # a directory marker (S3A, the console): no file of the table
             sub = p[len(base) :].lstrip("/")
             out.append(
                 SourceFile(f"{key.rstrip('/')}/{sub}", f"{rel}/{sub}" if rel else sub,
