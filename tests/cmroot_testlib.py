@@ -10,7 +10,9 @@ import os
 import random
 import sqlite3
 import stat
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -266,3 +268,36 @@ def on_point(
         real(n)
 
     monkeypatch.setattr(faults, "point", point)
+
+
+@contextmanager
+def held_at(monkeypatch: pytest.MonkeyPatch, point: str, work: Callable[[], object]
+            ) -> Iterator[None]:
+    """Run `work` in a thread that stops at fault point `point` until the block ends."""
+    reached, release = threading.Event(), threading.Event()
+    real = faults.point
+
+    def pausing(name: str) -> None:
+        if name == point and not reached.is_set():
+            reached.set()
+            release.wait(30)
+        real(name)
+
+    monkeypatch.setattr(faults, "point", pausing)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert reached.wait(30), f"{point} never reached"
+    try:
+        yield
+    finally:
+        release.set()
+        t.join(60)
+    assert not errors, errors

@@ -39,8 +39,6 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import xxhash
-
 from cmroot import checksum as cks
 from cmroot import faults
 from cmroot.index import Index, StoredObject
@@ -129,13 +127,8 @@ def _staging(
 
 def _hash(fs: Any, path: str) -> tuple[str, int]:
     """The checksum and size of the bytes read from `path`."""
-    h = xxhash.xxh3_128()
-    size = 0
     with fs.open(path, "rb") as f:
-        while chunk := f.read(cks.CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return h.hexdigest(), size
+        return cks.of_stream(f), f.tell()
 
 
 def _try_hash(fs: Any, path: str) -> tuple[str, int] | OSError:

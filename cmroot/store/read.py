@@ -19,7 +19,6 @@ import errno
 import logging
 import os
 import stat
-import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -37,7 +36,7 @@ from cmroot.store.layout import Layout
 from cmroot.store.layout.remote import RemoteLayout
 from cmroot.store.source import RootUnavailable
 from cmroot.store.source.local import Ident, LocalSource, ident_of, ident_str
-from cmroot.store.source.remote import fresh_info, remote_ident
+from cmroot.store.source.remote import fresh_info, remote_ident, spool
 from cmroot.store.warehouse import Located, PathUnsettled, Warehouse
 from cmroot.vocab import Status
 
@@ -243,17 +242,12 @@ class Reader:
             cached = self.index.cached_checksums([(loc.key, ident)]).get(loc.key)
             if cached is not None and cached != c:
                 return None  # known to hold other bytes: do not download it
-        h = xxhash.xxh3_128()
-        with tempfile.TemporaryFile(dir=self.layout.scratch) as tmp:
-            try:
-                with fs.open(loc.path, "rb") as f:
-                    while chunk := f.read(cks.CHUNK):
-                        h.update(chunk)
-                        tmp.write(chunk)
-            except (FileNotFoundError, NotADirectoryError):
-                return None
-            tmp.flush()
-            if h.hexdigest() != c:
+        try:
+            tmp, got = spool(fs, loc.path, self.layout.scratch)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        with tmp:
+            if got != c:
                 return None
             fd = os.dup(tmp.fileno())
         st = os.fstat(fd)

@@ -4,52 +4,16 @@ moment a repair that decided on an earlier look would do harm."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from cmroot_testlib import Env, write_file
+from cmroot_testlib import Env, held_at, write_file
 
 from cmroot import checksum as cks
-from cmroot import faults
 from cmroot.exceptions import BadRequest
 from cmroot.store import RecycleRequest, Store
-
-
-@contextmanager
-def held_at(monkeypatch: pytest.MonkeyPatch, point: str, work: Callable[[], object]
-            ) -> Iterator[None]:
-    """Run `work` in a thread that stops at fault point `point` until the block ends."""
-    reached, release = threading.Event(), threading.Event()
-    real = faults.point
-
-    def pausing(name: str) -> None:
-        if name == point and not reached.is_set():
-            reached.set()
-            release.wait(30)
-        real(name)
-
-    monkeypatch.setattr(faults, "point", pausing)
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            work()
-        except BaseException as e:
-            errors.append(e)
-
-    t = threading.Thread(target=run)
-    t.start()
-    assert reached.wait(30), f"{point} never reached"
-    try:
-        yield
-    finally:
-        release.set()
-        t.join(30)
-    assert not errors, errors
 
 
 def recycle(store: Store, path: Path) -> Callable[[], object]:

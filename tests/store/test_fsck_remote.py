@@ -11,20 +11,17 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from cmroot_testlib import Clock
+from cmroot_testlib import Clock, held_at
 
 from cmroot import checksum as cks
 from cmroot import config as cfg
-from cmroot import faults
 from cmroot.exceptions import BadRequest, NotFound
 from cmroot.store import RecycleRequest, Store
 
@@ -492,39 +489,6 @@ def test_report_lists_are_capped_counts_are_not(s3: S3Store) -> None:
 
 
 # -- online: recycles run meanwhile ------------------------------------------------------
-
-
-@contextmanager
-def held_at(monkeypatch: pytest.MonkeyPatch, point: str, work: Callable[[], object]
-            ) -> Iterator[None]:
-    """Run `work` in a thread that stops at fault point `point` until the block ends."""
-    reached, release = threading.Event(), threading.Event()
-    real = faults.point
-
-    def pausing(name: str) -> None:
-        if name == point and not reached.is_set():
-            reached.set()
-            release.wait(30)
-        real(name)
-
-    monkeypatch.setattr(faults, "point", pausing)
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            work()
-        except BaseException as e:
-            errors.append(e)
-
-    t = threading.Thread(target=run)
-    t.start()
-    assert reached.wait(30), f"{point} never reached"
-    try:
-        yield
-    finally:
-        release.set()
-        t.join(60)
-    assert not errors, errors
 
 
 def test_an_object_between_publish_and_commit_is_not_unindexed(

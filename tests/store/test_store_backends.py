@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from cmroot_testlib import Clock
+from cmroot_testlib import Clock, on_point
 from store_backends import COPY_ONLY, TAKE_ONLY, StoreBackend, local_backend, s3_store_backend
 
 from cmroot import checksum as cks
@@ -337,7 +337,7 @@ class StoreInvariantTests:
         files = table(b)
         rel = f"{TABLE}/p=1/part-0"
         new = b"rewritten between listing and staging"
-        on(monkeypatch, "journal.begun", lambda: b.write(rel, new))
+        on_point(monkeypatch, "journal.begun", lambda: b.write(rel, new))
         try:
             res = b.store.recycle(drop(b))
         except (Conflict, RecycleFailed):
@@ -376,21 +376,6 @@ class StoreInvariantTests:
         assert b.files(TABLE) == {**files, rel: new}
         assert b.store.events() == []
         assert b.staging() == []
-
-
-def on(monkeypatch: pytest.MonkeyPatch, name: str, fn: Any, k: int = 1) -> None:
-    """Run `fn` (a racing writer) the k-th time the recycle passes fault point `name`."""
-    real = faults.point
-    seen = {"n": 0}
-
-    def point(n: str) -> None:
-        if n == name:
-            seen["n"] += 1
-            if seen["n"] == k:
-                fn()
-        real(n)
-
-    monkeypatch.setattr(faults, "point", point)
 
 
 # -- bindings -------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
@@ -26,14 +25,13 @@ from contextlib import contextmanager
 from typing import IO, Any
 
 import fsspec
-import xxhash
 
 from cmroot import checksum as cks
 from cmroot.exceptions import ChecksumMismatch, ConfigError, StoreLocked
 from cmroot.store.layout import Layout, StagedInfo, streams_equal
 from cmroot.store.layout.local import release_lock, take_lock
 from cmroot.store.source import Session
-from cmroot.store.source.remote import RemoteSession, fresh_info, identity
+from cmroot.store.source.remote import RemoteSession, changed, fresh_info, identity, spool
 
 # CopyObject copies up to 5 GiB in one call; larger objects are copied in parts.
 _COPY_MAX = 5 << 30
@@ -186,10 +184,10 @@ class RemoteLayout(Layout):
         except FileNotFoundError:
             raise
         except OSError as e:
-            if self._changed(src, ident):
+            if changed(self.fs, src, ident):
                 raise ChecksumMismatch("source changed while copied", f"{src}: try again") from e
             raise
-        if self._changed(src, ident):  # not conditional (no ETag): looked at after
+        if changed(self.fs, src, ident):  # not conditional (no ETag): looked at after
             self.unlink_staged(dst)
             raise ChecksumMismatch("source changed while copied", f"{src}: try again")
         return ident
@@ -225,12 +223,6 @@ class RemoteLayout(Layout):
                                 UploadId=up["UploadId"])
             raise
 
-    def _changed(self, path: str, ident: str) -> bool:
-        try:
-            return identity(fresh_info(self.fs, path)) != ident
-        except FileNotFoundError:
-            return True
-
     def staged_info(self, staged: str) -> StagedInfo | None:
         try:
             info = fresh_info(self.fs, staged)
@@ -239,14 +231,7 @@ class RemoteLayout(Layout):
         return StagedInfo(info.get("type") == "file", int(info.get("size") or 0))
 
     def hash_staged(self, staged: str) -> str:
-        return self._hash(staged)
-
-    def _hash(self, path: str) -> str:
-        h = xxhash.xxh3_128()
-        with self.fs.open(path, "rb") as f:
-            while chunk := f.read(cks.CHUNK):
-                h.update(chunk)
-        return h.hexdigest()
+        return cks.of_file(self.fs, staged)
 
     def unlink_staged(self, staged: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -300,7 +285,7 @@ class RemoteLayout(Layout):
             return streams_equal(x, y, cks.CHUNK)
 
     def hash_object(self, checksum: str) -> str:
-        return self._hash(self.object_path(checksum))
+        return cks.of_file(self.fs, self.object_path(checksum))
 
     def heal(self, checksum: str, staged: str, now: float) -> str:
         obj = self.object_path(checksum)
@@ -355,30 +340,16 @@ class RemoteLayout(Layout):
         obj = self.object_path(checksum)
         try:
             ident = identity(fresh_info(self.fs, obj))
+            tmp, digest = spool(self.fs, obj, self.scratch)
         except FileNotFoundError:
             return None
-        h = xxhash.xxh3_128()
-        tmp = tempfile.TemporaryFile(dir=self.scratch)  # noqa: SIM115 - returned open
-        try:
-            with self.fs.open(obj, "rb") as f:
-                while chunk := f.read(cks.CHUNK):
-                    h.update(chunk)
-                    tmp.write(chunk)
-            tmp.flush()
-            tmp.seek(0)
-        except FileNotFoundError:
-            tmp.close()
-            return None
-        except BaseException:
-            tmp.close()
-            raise
-        return tmp, h.hexdigest(), ident
+        return tmp, digest, ident
 
     def quarantine_object(self, checksum: str, ident: str, now: float) -> str | None:
         """Move object `checksum` to quarantine if it is still the one read (`ident`)."""
         obj = self.object_path(checksum)
         with self._names:
-            if self._changed(obj, ident):
+            if changed(self.fs, obj, ident):
                 return None  # healed (or removed) since it was read: not the bytes judged
             bad = self._quarantine_name(checksum, now)
             self.fs.cp_file(obj, bad)

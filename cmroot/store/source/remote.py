@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import IO, Any
 
 import fsspec
 import xxhash
@@ -46,6 +47,33 @@ def fresh_info(fs: Any, path: str) -> dict[str, Any]:
 def identity(info: dict[str, Any]) -> str:
     """The identity recorded for a copied source: remote_ident, or its size alone."""
     return remote_ident(info) or f"size:{info.get('size')}"
+
+
+def changed(fs: Any, path: str, ident: str) -> bool:
+    """Whether `path` no longer has identity `ident` (or is gone)."""
+    try:
+        return identity(fresh_info(fs, path)) != ident
+    except FileNotFoundError:
+        return True
+
+
+def spool(fs: Any, path: str, scratch: str) -> tuple[IO[bytes], str]:
+    """`path` streamed once into an unnamed file in the local directory `scratch` while
+    hashed: the file (at its start) and the hash of exactly what it holds, the bytes a
+    verified read then serves. FileNotFoundError (or NotADirectoryError) if it is gone."""
+    h = xxhash.xxh3_128()
+    tmp = tempfile.TemporaryFile(dir=scratch)  # noqa: SIM115 - returned open
+    try:
+        with fs.open(path, "rb") as f:
+            while chunk := f.read(cks.CHUNK):
+                h.update(chunk)
+                tmp.write(chunk)
+        tmp.flush()
+        tmp.seek(0)
+    except BaseException:
+        tmp.close()
+        raise
+    return tmp, h.hexdigest()
 
 
 class RemoteSource(Source):
@@ -107,10 +135,10 @@ class RemoteSession(Session):
         except OSError as e:
             # An object store refuses the rest of a read once the object changed (S3: 412
             # on the ETag it began with): that is a change, not a failure.
-            if self._changed(path, ident):
+            if changed(self.fs, path, ident):
                 raise ChecksumMismatch("source changed while copied", f"{path}: try again") from e
             raise
-        if self._changed(path, ident):
+        if changed(self.fs, path, ident):
             raise ChecksumMismatch("source changed while copied", f"{path}: try again")
         checksum = h.hexdigest()
         if cks.of_local_file(staged) != checksum:
@@ -119,11 +147,6 @@ class RemoteSession(Session):
             )
         return checksum, ident
 
-    def _changed(self, path: str, ident: str) -> bool:
-        try:
-            return identity(fresh_info(self.fs, path)) != ident
-        except FileNotFoundError:
-            return True
 
     def put_back(self, rel: str, staged: str) -> bool:
         """Upload a taken file back, never over an object written there meanwhile (an
@@ -144,13 +167,10 @@ class RemoteSession(Session):
         try:
             if fresh_info(self.fs, path).get("type") != "file":
                 return False
-            h = xxhash.xxh3_128()
-            with self.fs.open(path, "rb") as fin:
-                while chunk := fin.read(cks.CHUNK):
-                    h.update(chunk)
+            there = cks.of_file(self.fs, path)
         except FileNotFoundError:
             return False
-        return h.hexdigest() == cks.of_local_file(staged)
+        return there == cks.of_local_file(staged)
 
     def remove_if_unchanged(self, rel: str, ident: str) -> bool:
         path = self.source.path(rel)
