@@ -10,6 +10,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import os
+import posixpath
 import pwd
 import re
 import sys
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+from fsspec.registry import known_implementations
 
 from cmroot.exceptions import ConfigError
 
@@ -278,7 +281,7 @@ def _build(raw: dict[str, dict[str, Any]], source: str) -> Config:
         raise ConfigError("store.warehouse_roots is empty", "list at least one warehouse directory")
     warehouse = tuple(absolute_root(r, "store.warehouse_roots") for r in roots)
     for w in warehouse:
-        if _inside(root, w) or _inside(w, root):
+        if overlap(root, w):
             raise ConfigError(
                 "store.root and store.warehouse_roots overlap",
                 f"{root} and {w}: keep the store beside the warehouse, not inside it"
@@ -432,6 +435,32 @@ def absolute_root(value: str, key: str) -> str:
             f"{key} must be absolute", f"{value!r}: write a full path such as /data/warehouse"
         )
     return os.path.normpath(local)
+
+
+# Hadoop spellings fsspec does not register, and the ones it opens as they are.
+_SCHEME_ALIASES = {"s3n": "s3", "abfss": "abfs"}
+
+
+def place_key(value: str) -> str:
+    """Where a path or URL points, spelled one way so that two spellings of one place
+    compare equal: a local path normalised; a URL with its scheme named by the fsspec
+    class that opens it (`s3`, `s3a` and `s3n` are one S3), its authority lower-cased
+    (bucket and host names are) and its path normalised."""
+    local = local_path(value)
+    if local is not None:
+        return posixpath.normpath(local)
+    scheme, _, rest = value.partition("://")
+    scheme = _SCHEME_ALIASES.get(scheme.lower(), scheme.lower())
+    opener = known_implementations.get(scheme, {}).get("class", scheme)
+    authority, _, path = rest.partition("/")
+    path = posixpath.normpath("/" + path).lstrip("/")
+    return f"{opener}://{authority.lower()}/{path}".rstrip("/")
+
+
+def overlap(a: str, b: str) -> bool:
+    """Whether one of two paths or URLs lies in (or is) the other, however spelled."""
+    ka, kb = place_key(a), place_key(b)
+    return _inside(ka, kb) or _inside(kb, ka)
 
 
 def _inside(path: str, root: str) -> bool:

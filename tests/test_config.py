@@ -425,6 +425,48 @@ def test_same_store_and_warehouse_root_is_refused(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize(("store", "warehouse"), [
+    ("s3://b/cm", "s3a://b"),
+    ("s3a://b/cm", "s3://b/cm/../cm/t"),
+    ("s3://b/cm", "s3n://b/./"),
+    ("s3://b/cm", "s3://B"),
+    ("abfs://c@acct/cm", "abfss://c@acct"),
+])
+def test_one_place_spelled_two_ways_is_overlap(tmp_path: Path, store: str, warehouse: str) -> None:
+    """Hadoop's spellings of one object store (s3a, s3n) and unnormalised paths name the
+    same place as fsspec opens it: a root holding the store that way is refused."""
+    msg = refusal(None, env={
+        "CMROOT_STORE_ROOT": store, "CMROOT_STORE_WAREHOUSE_ROOTS": warehouse,
+        "CMROOT_INDEX_PATH": f"{tmp_path}/index.sqlite",
+    })
+    assert "overlap" in msg
+
+
+@pytest.mark.parametrize("which", ["root into the store", "store into the root"])
+def test_a_symlink_that_makes_store_and_root_overlap_is_refused_at_open(
+    tmp_path: Path, which: str
+) -> None:
+    """Distinct names, one place: a warehouse root that is a symlink into the store (or
+    a store root that is one into the warehouse) is refused when the store opens."""
+    from cmroot.store import Store
+
+    (tmp_path / "real").mkdir()
+    if which == "root into the store":
+        store, wh = tmp_path / "real", tmp_path / "wh"
+        (tmp_path / "real" / "wh").mkdir()
+        wh.symlink_to(tmp_path / "real" / "wh")
+    else:
+        store, wh = tmp_path / "cm", tmp_path / "real"
+        (tmp_path / "real" / "cm").mkdir()
+        store.symlink_to(tmp_path / "real" / "cm")
+    c = config.load(None, env={
+        "CMROOT_STORE_ROOT": str(store), "CMROOT_STORE_WAREHOUSE_ROOTS": str(wh),
+        "CMROOT_INDEX_PATH": f"{tmp_path}/idx/index.sqlite",
+    })
+    with pytest.raises(ConfigError, match="overlap"):
+        Store.open(c)
+
+
 def test_sibling_prefix_is_not_overlap(tmp_path: Path) -> None:
     c = config.load(
         None,

@@ -67,11 +67,11 @@ class Store:
         self.index = index
         self.clock = clock
         self.readonly = readonly
+        self.warehouse = Warehouse(config.warehouse_roots, config.root)  # refuses overlap
         # A remote store keeps its lock and scratch files beside the (always local) index.
         self.layout = open_layout(config.root, os.path.dirname(os.path.abspath(index.path)))
         self._lock_fd = None if readonly else self.layout.lock()
         self.recovery = Recovery()
-        self.warehouse = Warehouse(config.warehouse_roots)
         self.objects = Objects(self.layout, index)
         self.recycler = Recycler(self.layout, index, self.objects, self.warehouse, config, clock)
         self.resolver = Resolver(self.layout, index, not readonly, cks.default_workers())
@@ -92,7 +92,12 @@ class Store:
         cls, config: Config, clock: Callable[[], float] = time.time, readonly: bool = False
     ) -> Store:
         os.makedirs(os.path.dirname(config.index_path), exist_ok=True)
-        return cls(config.store, Index(config.index_path), clock, readonly)
+        index = Index(config.index_path)
+        try:
+            return cls(config.store, index, clock, readonly)
+        except BaseException:
+            index.close()  # refused (overlap, locked, unreachable): nothing left open
+            raise
 
     def close(self) -> None:
         self.recycler.close()

@@ -16,8 +16,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cmroot.config import local_path
-from cmroot.exceptions import BadRequest, Conflict, OutsideRoots
+from cmroot.config import local_path, place_key
+from cmroot.exceptions import BadRequest, ConfigError, Conflict, OutsideRoots
 from cmroot.store.source import Source, SourceFile, SymlinkRefused, for_root
 from cmroot.store.source.local import LocalSource
 
@@ -74,7 +74,9 @@ class Located:
 
 
 class Warehouse:
-    def __init__(self, roots: Sequence[str]) -> None:
+    def __init__(self, roots: Sequence[str], store: str | None = None) -> None:
+        """`store`: the store's root, which no root may hold or lie in by any spelling or
+        real path (a recycle would take the store's own files)."""
         self.roots: list[Root] = []
         local = [p for url in roots if (p := local_path(url)) is not None]
         reals = _local_reals(local)
@@ -93,6 +95,20 @@ class Warehouse:
                 assert outer is not None
                 inner_src.outer = (outer_src, outer[1])
         self._real_dirs: dict[str, tuple[float, str]] = {}
+        if store is not None:
+            self._fence(store)
+
+    def _fence(self, store: str) -> None:
+        lp = local_path(store)
+        where = place_key(_realpath(lp) if lp is not None else store)
+        for r in self.roots:
+            here = place_key(r.real if r.local else r.url)
+            if _under(here, where) or _under(where, here):
+                raise ConfigError(
+                    "store.root and store.warehouse_roots overlap",
+                    f"{r.url} is {here} and the store {store} is {where}: keep the store"
+                    " beside the warehouse, not inside it (or the reverse)",
+                )
 
     def _realpath(
         self, path: str, dirs: dict[str, tuple[float, str]] | None = None

@@ -21,7 +21,7 @@ from cmroot_testlib import Clock
 from cmroot import checksum as cks
 from cmroot import config as cfg
 from cmroot import faults
-from cmroot.exceptions import CmrootError
+from cmroot.exceptions import CmrootError, Conflict
 from cmroot.store import RecycleRequest, Store
 
 pytestmark = pytest.mark.timeout(120)
@@ -122,6 +122,32 @@ def _hook_once(monkeypatch: pytest.MonkeyPatch, fs: Any, name: str, path: str,
     return fired
 
 
+def _hook_delete(monkeypatch: pytest.MonkeyPatch, fs: Any, path: str,
+                 before: Any) -> list[bool]:
+    """Run `before()` just before the first delete of `path`, whichever call makes it
+    (`rm_file`, or a `DeleteObject` through `call_s3`)."""
+    fired: list[bool] = []
+    real_rm, real_call = fs.rm_file, fs.call_s3
+
+    def once(p: str) -> None:
+        if not fired and fs._strip_protocol(p) == path:
+            fired.append(True)
+            before()
+
+    def rm_file(p: str, *a: Any, **kw: Any) -> Any:
+        once(p)
+        return real_rm(p, *a, **kw)
+
+    def call_s3(method: str, *a: Any, **kw: Any) -> Any:
+        if method == "delete_object":
+            once(f"{kw['Bucket']}/{kw['Key']}")
+        return real_call(method, *a, **kw)
+
+    monkeypatch.setattr(fs, "rm_file", rm_file)
+    monkeypatch.setattr(fs, "call_s3", call_s3)
+    return fired
+
+
 def test_held_a_reader_quarantine_never_deletes_the_object_a_concurrent_heal_put_back(
     s3s: S3Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -164,42 +190,64 @@ def test_held_a_reader_quarantine_never_deletes_the_object_a_concurrent_heal_put
     assert s3s.served(second, c) == data
 
 
-@pytest.mark.xfail(strict=True, reason="open: RemoteSession.remove_if_unchanged checks the"
-                   " ETag then deletes unconditionally; needs a conditional delete (If-Match)")
-def test_take_deletes_a_version_written_between_its_etag_check_and_its_delete(
+def test_held_take_never_deletes_a_version_written_between_its_check_and_its_delete(
     s3s: S3Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No loss (1) / source docstring "only the object that was copied". A take removes the
-    source by `info` (ETag unchanged?) then an unconditional `rm_file`: a writer that
-    lands between the two has its new object deleted, and the store holds only the old
-    bytes. (RemoteSession.remove_if_unchanged: a check-then-delete; fix: DeleteObject
-    with If-Match=<ETag>, or delete by VersionId on a versioned bucket.)"""
+    """A break at 9910937 (failed there: the writer's version deleted); fixed by the
+    conditional delete in RemoteSession._s3_delete. No loss (1): a take checks the
+    source's ETag, then deletes; a writer landing between the two keeps its version (the
+    delete is conditional on the ETag copied) and the recycle fails as a conflict,
+    recording nothing, as a local one does when a writer beats it."""
     store = s3s.store
     old, new = b"old bytes" * 100, b"the writer's new bytes" * 100
     url = s3s.put("db.db/t/f", old)
     path = f"{s3s.wh}/db.db/t/f"
-    _hook_once(monkeypatch, store.layout.fs, "rm_file", path,
-               lambda: s3s.fs.pipe_file(path, new))
-    with contextlib.suppress(CmrootError):
+    fired = _hook_delete(monkeypatch, store.layout.fs, path,
+                         lambda: s3s.fs.pipe_file(path, new))
+    with pytest.raises(Conflict):
         store.recycle(RecycleRequest([url]))
-    if s3s.get("db.db/t/f") != new:
-        try:
-            assert s3s.served(url, cks.of_bytes(new)) == new
-        except CmrootError:
-            pytest.fail("the writer's new version was deleted and is nowhere")
+    assert fired, "the take never deleted its source"
+    assert s3s.get("db.db/t/f") == new, "the writer's new version was deleted"
+
+
+def test_held_take_on_a_versioned_bucket_deletes_only_the_version_copied(
+    s3s: S3Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No loss (1) on a versioned bucket: a take deletes the version it copied by its
+    version id (no delete marker hides a newer one); a version written between the
+    check and the delete stays the current one."""
+    s3s.fs.call_s3("put_bucket_versioning", Bucket=s3s.wh,
+                   VersioningConfiguration={"Status": "Enabled"})
+    data = os.urandom(1500)
+    url = s3s.put("db.db/t/f", data)
+    [f] = s3s.store.recycle(RecycleRequest([url])).files
+    assert s3s.get("db.db/t/f") is None
+    versions = s3s.fs.call_s3("list_object_versions", Bucket=s3s.wh, Prefix="db.db/t/f")
+    assert not versions.get("Versions") and not versions.get("DeleteMarkers")
+    assert s3s.served(url, f.checksum) == data
+
+    old, new = b"old" * 500, b"new" * 500
+    url = s3s.put("db.db/t/g", old)
+    path = f"{s3s.wh}/db.db/t/g"
+    fired = _hook_delete(monkeypatch, s3s.store.layout.fs, path,
+                         lambda: s3s.fs.pipe_file(path, new))
+    with contextlib.suppress(Conflict):
+        s3s.store.recycle(RecycleRequest([url]))
+    assert fired
+    assert s3s.get("db.db/t/g") == new, "the writer's version was deleted"
 
 
 @pytest.mark.parametrize("spelling", [
-    pytest.param("s3a://{st}", marks=pytest.mark.xfail(
-        strict=True, reason="open: config's overlap check compares raw URLs (s3a vs s3)")),
-    "s3://{st}/x/..", "s3://{st}/.",
+    "s3a://{st}", "s3a://{st}/cm/sub", "S3://{st}", "s3://{st}//cm", "s3://{st}/x/..",
+    "s3://{st}/.",
 ])
-def test_a_warehouse_root_spelled_otherwise_may_contain_the_store(
+def test_held_a_warehouse_root_spelled_otherwise_never_contains_the_store(
     s3s: S3Store, spelling: str
 ) -> None:
-    """Confinement (5), then no loss (1). config's overlap check compares raw strings,
-    but fsspec opens `s3a://` as the same S3: a root `s3a://<bucket>` (the usual Hadoop
-    spelling) holds the store `s3://<bucket>/cm`, and is accepted. A recycle may then take
+    """A break at 9910937 (s3a accepted); fixed by config.place_key, which both the
+    config's overlap check and Warehouse's fence compare. Confinement (5), then no loss
+    (1): fsspec opens `s3a://` as the same S3, so a root `s3a://<bucket>` (the usual
+    Hadoop spelling) holds the store `s3://<bucket>/cm` and must be refused. A recycle may then take
     the store's own files: here, after a restart, the staged copy of a prepared DROP;
     its commit then fails, its rollback finds nothing staged to put back, and the
     dropped file is retrievable neither at its path nor from the store.
@@ -477,13 +525,14 @@ def test_held_sweep_after_restart_under_a_prepared_dedup_then_commit_serves(
     assert s3s.served(url, cks.of_bytes(data)) == data
 
 
-@pytest.mark.xfail(strict=True, reason="open: RemoteLayout.published takes any object of the"
-                   " checksum for the transaction's own, so a rollback removes an unindexed one"
-                   " a lost index left (fsck would adopt it)")
 @pytest.mark.parametrize("point", ["recycle.copy_journaled", "recycle.source_taken",
                                    "recycle.file_published"])
-def test_recovery_deletes_an_unindexed_object_it_never_made(s3s: S3Store, point: str) -> None:
-    """No loss (1) for what fsck adopts. A lost index leaves the store's objects
+def test_held_recovery_never_deletes_an_unindexed_object_it_never_made(
+    s3s: S3Store, point: str
+) -> None:
+    """A break at 9910937 (failed there: the object deleted); fixed by RemoteLayout's
+    tagged publish (`published` asks the object's metadata). No loss (1) for what fsck
+    adopts. A lost index leaves the store's objects
     unindexed until `cmroot fsck` adopts them (OWNER's own hint). A recycle of the same
     content dies at `point`; its rollback asks `RemoteLayout.published`, which answers
     "the object exists" for anyone's object, takes the file as published and

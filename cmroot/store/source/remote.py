@@ -6,6 +6,8 @@ uploads it back, never over an object written there meanwhile."""
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import shutil
 import tempfile
@@ -20,6 +22,9 @@ from cmroot import checksum as cks
 from cmroot.exceptions import ChecksumMismatch, NotFound
 from cmroot.store.source import Session, Source, SourceFile
 from cmroot.vocab import Method, Mode
+
+log = logging.getLogger(__name__)
+_WARNED = False  # the log line about a store without conditional deletes is said once
 
 
 def remote_ident(info: dict[str, Any]) -> str | None:
@@ -177,9 +182,47 @@ class RemoteSession(Session):
         try:
             if identity(fresh_info(self.fs, path)) != ident:
                 return False
+            if hasattr(self.fs, "call_s3"):
+                return self._s3_delete(path, ident)
+            # No conditional delete in fsspec's API: a writer landing between the check
+            # and this delete loses its file (README, "The store on an object store").
             self.fs.rm_file(path)  # one path, as named: `rm` expands glob characters
         except FileNotFoundError:
             return False
+        return True
+
+    def _s3_delete(self, path: str, ident: str) -> bool:
+        """Delete exactly the object version that was copied: by its version id, or
+        conditional on its ETag (S3's If-Match), so a version written since the check
+        survives. False when the object is no longer that one."""
+        bucket, key, _ = self.fs.split_path(path)
+        kind, _, value = ident.partition(":")
+        if kind == "versionid":
+            self.fs.call_s3("delete_object", Bucket=bucket, Key=key, VersionId=value)
+            return True
+        if kind != "etag":  # no ETag: only the size was seen, nothing to condition on
+            self.fs.rm_file(path)
+            return True
+        try:
+            self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=value)
+        except OSError as e:
+            if e.errno == errno.ENOSYS:
+                return self._unconditional(path, e)
+            if changed(self.fs, path, ident):  # 412: another version is there now
+                return False
+            raise
+        return True
+
+    def _unconditional(self, path: str, e: OSError) -> bool:
+        """A server without conditional deletes (501): the check-then-delete of other
+        filesystems, said once in the log."""
+        global _WARNED
+        if not _WARNED:
+            _WARNED = True
+            log.warning("the object store refuses conditional deletes: a file written"
+                        " between a take's check and its delete would be lost",
+                        extra={"path": path, "error": str(e)})
+        self.fs.rm_file(path)
         return True
 
     def remove_empty_dirs(self, rel: str, keep: Callable[[str], bool]) -> None:
