@@ -5,7 +5,7 @@ them lives in `cmroot.store.journal`."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from cmroot.index.catalog import Catalog
@@ -135,19 +135,14 @@ class JournalTables(Catalog, EventLog):
         txid: str | None,
         event: Event | None,
         entries: Sequence[Entry],
-        idents: Mapping[int, str] | None = None,
     ) -> int:
         """Atomically: record the event (None: entries without an event), its entries and
-        objects, the identities of copied sources (for clean-up), and mark the transaction
-        committed. Returns the event id (0 without an event)."""
+        objects, and mark the transaction committed. Returns the event id (0 without an
+        event)."""
         with self.transaction() as db:
             event_id = self._insert_event(db, event, txid) if event is not None else 0
             self._record_entries(db, entries, event_id)
             if txid is not None:
-                db.executemany(
-                    "UPDATE journal SET ident = ? WHERE txid = ? AND seq = ?",
-                    ((ident, txid, seq) for seq, ident in (idents or {}).items()),
-                )
                 db.execute(
                     "UPDATE txs SET state = ?, error = NULL WHERE txid = ?",
                     (TxState.COMMITTED.value, txid),

@@ -96,26 +96,20 @@ class Journal:
         faults.point("journal.begun")
         self.layout.begin_tx(txid)
 
-    def fall_back_to_copy(self, txid: str, it: Item) -> None:
+    def fall_back_to_take(self, txid: str, it: Item) -> None:
         """A rename was refused (EXDEV: another filesystem, or a bind mount): record that
-        this file is copied instead, before the copy starts."""
-        self.index.journal_set_method(txid, it.seq, Method.COPY)
-        it.method = Method.COPY
+        this file is taken instead (copied, then its source removed as a rename removes
+        it), before the copy starts."""
+        self.index.journal_set_method(txid, it.seq, Method.TAKE)
+        it.method = Method.TAKE
 
     def copied(self, txid: str, it: Item) -> None:
         """A take's copy is whole: record it before the source goes (see `_undo`)."""
         assert it.checksum is not None and it.ident is not None
         self.index.journal_copied(txid, it.seq, it.checksum, it.size, it.ident)
 
-    def commit(
-        self, txid: str, mode: Mode, event: Event, entries: Sequence[Entry], items: Sequence[Item]
-    ) -> int:
-        idents = {
-            it.seq: it.ident
-            for it in items
-            if mode == Mode.MOVE and it.method == Method.COPY and it.ident is not None
-        }
-        event_id = self.index.commit_recycle(txid, event, entries, idents)
+    def commit(self, txid: str, event: Event, entries: Sequence[Entry]) -> int:
+        event_id = self.index.commit_recycle(txid, event, entries)
         faults.point("journal.committed")
         return event_id
 
@@ -133,6 +127,8 @@ class Journal:
         staging names, emptied directories; then close the record. Idempotent."""
         with self.sessions() as sessions:
             if mode == Mode.MOVE:
+                # A move copies nothing any more (a refused rename is a take), but a
+                # journal committed by an earlier version may still name copied sources.
                 for it in items:
                     if it.method == Method.COPY and it.ident is not None:
                         if not sessions.open(it.root).remove_if_unchanged(it.rel, it.ident):

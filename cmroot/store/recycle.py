@@ -268,8 +268,8 @@ class Recycler:
             if publish():
                 self.layout.flush()
             faults.point("recycle.flushed")
-            event_id = self.journal.commit(txid, mode, self._event(req, items, now),
-                                           self._entries(req, items, now), items)
+            event_id = self.journal.commit(txid, self._event(req, items, now),
+                                           self._entries(req, items, now))
         except faults.Crash:
             raise  # an injected crash: nothing more happens, as if the process died
         except BaseException as e:
@@ -471,7 +471,7 @@ class Recycler:
             except OSError as e:
                 if e.errno != errno.EXDEV:
                     raise
-                self.journal.fall_back_to_copy(txid, it)
+                self.journal.fall_back_to_take(txid, it)
         faults.point("recycle.file_staged")
         if it.method == Method.RENAME:
             # Read, not mmap: the inode is the warehouse file's, and a straggler writer

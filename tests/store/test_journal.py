@@ -191,10 +191,11 @@ def bind_mounted_warehouse(env: Env):  # type: ignore[no-untyped-def]
 def test_recovery_on_a_bind_mount_takes_the_method_from_the_journal(
     bind_mounted_warehouse: Env,
 ) -> None:
-    """st_dev says "same filesystem", rename says EXDEV: the files were copied. A crash
-    after every copy, then a writer changes one source: recovery must drop the copies
-    and leave every source as it is now, recording nothing (st_dev guessing would call
-    the changed source "re-created" and record the old copy with a DROP event)."""
+    """st_dev says "same filesystem", rename says EXDEV: the files were taken (copied,
+    then removed, as a rename removes them). A crash after every take, then a writer
+    re-creates one path: recovery puts the others back, leaves the new file as it is and
+    keeps the old bytes it replaced in the store with no event (the journal, not st_dev,
+    says how each file left)."""
     env = bind_mounted_warehouse
     assert os.stat(env.warehouse).st_dev == os.stat(env.base).st_dev
     files = make_table(env.warehouse, "db", "t", [{"p": "1"}], files_per_partition=4)
@@ -204,23 +205,46 @@ def test_recovery_on_a_bind_mount_takes_the_method_from_the_journal(
         store.recycle(RecycleRequest(paths=[str(table_dir(env.warehouse, "db", "t"))],
                                      op="DROP_TABLE", db="db", table="t"))
     store.close()
+    assert not any(os.path.exists(p) for p in files)  # taken, as renames take them
     changed = sorted(files)[0]
-    Path(changed).write_bytes(b"changed after it was copied")
+    Path(changed).write_bytes(b"re-created after it was taken")
     reopened = env.open()
     assert reopened.events(0, 10) == []
-    assert index_counts(env)["entries"] == 0
-    assert Path(changed).read_bytes() == b"changed after it was copied"
+    assert Path(changed).read_bytes() == b"re-created after it was taken"
     for p, data in files.items():
         if p != changed:
             assert Path(p).read_bytes() == data
-    assert object_files(env) == []
+    assert [e.path for e in reopened.entries(limit=10)] == [changed]
+    assert_retrievable(reopened, {changed: files[changed]}, status="cmroot")
 
 
-def test_a_committed_copy_move_on_a_bind_mount_finishes_its_clean_up_after_a_crash(
+def test_an_abort_on_a_bind_mount_brings_back_bytes_the_statement_overwrote(
     bind_mounted_warehouse: Env,
 ) -> None:
-    """Clean-up after commit is journaled: killed right after the commit, the next open
-    removes the copied sources (unchanged since the copy) and the emptied directories."""
+    """A prepared delete is a delete on a bind mount too (EXDEV: taken, not copied): a
+    statement that writes a file at a prepared path and is then aborted leaves its new
+    file, and the old bytes stay retrievable (a copy left the source in place, and the
+    abort dropped the only copy of the old bytes once the statement had replaced them)."""
+    env = bind_mounted_warehouse
+    files = make_table(env.warehouse, "db", "t", [{"p": "1"}], files_per_partition=2)
+    store = env.open()
+    p = store.prepare(RecycleRequest(paths=sorted(files), op="INSERT_OVERWRITE", db="db",
+                                     table="t"), lease=600)
+    assert not any(os.path.exists(f) for f in files)
+    first = sorted(files)[0]
+    Path(first).write_bytes(b"the statement's new file")
+    store.abort(p.txid)
+    assert Path(first).read_bytes() == b"the statement's new file"
+    assert store.events(0, 10) == []
+    assert_retrievable(store, {f: d for f, d in files.items() if f != first}, status="original")
+    assert_retrievable(store, {first: files[first]}, status="cmroot")
+
+
+def test_a_committed_move_on_a_bind_mount_finishes_its_clean_up_after_a_crash(
+    bind_mounted_warehouse: Env,
+) -> None:
+    """Clean-up after commit is journaled: killed right after the commit (the sources
+    were taken before it), the next open removes the emptied directories."""
     env = bind_mounted_warehouse
     files = make_table(env.warehouse, "db", "t", [{"p": "1"}, {"p": "2"}], files_per_partition=3)
     store = env.open()
@@ -229,7 +253,8 @@ def test_a_committed_copy_move_on_a_bind_mount_finishes_its_clean_up_after_a_cra
         store.recycle(RecycleRequest(paths=[str(table_dir(env.warehouse, "db", "t"))],
                                      op="DROP_TABLE", db="db", table="t"))
     store.close()
-    assert all(os.path.exists(p) for p in files)  # copies committed, sources not yet gone
+    assert not any(os.path.exists(p) for p in files)  # taken before the commit
+    assert table_dir(env.warehouse, "db", "t").exists()  # its clean-up not yet done
     reopened = env.open()
     assert not any(os.path.exists(p) for p in files)
     assert not table_dir(env.warehouse, "db", "t").exists()
