@@ -72,7 +72,7 @@ class Store:
         self.layout = open_layout(config.root, os.path.dirname(os.path.abspath(index.path)))
         self._lock_fd = None if readonly else self.layout.lock()
         self.recovery = Recovery()
-        self.objects = Objects(self.layout, index)
+        self.objects = Objects(self.layout, index, clock)
         self.recycler = Recycler(self.layout, index, self.objects, self.warehouse, config, clock)
         self.resolver = Resolver(self.layout, index, not readonly, cks.default_workers())
         self.reader = Reader(self.layout, index, self.warehouse, clock, readonly)

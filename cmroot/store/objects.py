@@ -22,9 +22,12 @@ log = logging.getLogger(__name__)
 
 
 class Objects:
-    def __init__(self, layout: Layout, index: Index) -> None:
+    def __init__(
+        self, layout: Layout, index: Index, clock: Callable[[], float] = time.time
+    ) -> None:
         self.layout = layout
         self.index = index
+        self.clock = clock  # the store's: quarantined copies are named by its time
         self._lock = threading.Lock()
         self._claims: dict[str, set[str]] = {}
         # Objects a publish made that some recycle still claims: not yet indexed, so a
@@ -53,7 +56,7 @@ class Objects:
         # The object's bytes no longer hash to its name (bit rot, or a writer that held the
         # inode open across its recycle), while the staged file does: the bad bytes are
         # kept in quarantine for inspection and the good ones put in place.
-        bad = self.layout.heal(checksum, staged, time.time())
+        bad = self.layout.heal(checksum, staged, self.clock())
         log.error(
             "stored object was corrupt: replaced by the same content recycled again",
             extra={"checksum": checksum, "quarantined": bad},
