@@ -260,3 +260,60 @@ def test_a_committed_move_on_a_bind_mount_finishes_its_clean_up_after_a_crash(
     assert not table_dir(env.warehouse, "db", "t").exists()
     assert_retrievable(reopened, files, status="cmroot")
     assert index_counts(env)["txs"] == 0
+
+
+def _refuse_renames_into(monkeypatch: pytest.MonkeyPatch, staging: Path) -> None:
+    """Renames into the store fail with EXDEV (another filesystem): files are taken."""
+    import errno
+
+    real = os.rename
+
+    def rename(src, dst, *a, **kw):  # type: ignore[no-untyped-def]
+        if str(dst).startswith(str(staging)):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real(src, dst, *a, **kw)
+
+    monkeypatch.setattr(os, "rename", rename)
+
+
+def test_a_take_never_removes_a_file_renamed_over_its_source_after_the_check(
+    env: Env, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No loss (1): a take checks the source's identity, then removes it. A writer that
+    renames a new file over the path between the two (as Hadoop committers publish
+    files) keeps it: the take moves whatever is there aside, sees it is not the file
+    copied, and puts it back; the recycle fails as a conflict and records nothing."""
+    from cmroot_testlib import on_point
+
+    from cmroot.exceptions import Conflict
+
+    files = make_table(env.warehouse, "db", "t", [{}], files_per_partition=2)
+    _refuse_renames_into(monkeypatch, env.staging_dir)
+    victim = sorted(files)[0]
+    new = b"a writer's new file, renamed into place"
+
+    def writer() -> None:
+        tmp = Path(victim).with_name("_tmp")
+        tmp.write_bytes(new)
+        os.replace(tmp, victim)
+
+    on_point(monkeypatch, "source.take_checked", writer)
+    with pytest.raises(Conflict):
+        store.recycle(RecycleRequest(paths=sorted(files), op="DROP_TABLE", db="db", table="t"))
+    assert Path(victim).read_bytes() == new
+    for p, data in files.items():
+        if p != victim:
+            assert Path(p).read_bytes() == data  # put back by the rollback
+    assert store.events(0, 10) == [] and index_counts(env)["entries"] == 0
+    assert sorted(os.listdir(Path(victim).parent)) == sorted(Path(p).name for p in files)
+
+
+def test_a_take_leaves_nothing_aside(env: Env, store: Store,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    files = make_table(env.warehouse, "db", "t", [{"p": "1"}], files_per_partition=3)
+    _refuse_renames_into(monkeypatch, env.staging_dir)
+    store.recycle(RecycleRequest(paths=sorted(files), op="DROP_TABLE", db="db", table="t"))
+    assert not any(os.path.exists(p) for p in files)
+    assert_retrievable(store, files, status="cmroot")
+    part = Path(sorted(files)[0]).parent
+    assert not part.exists() or os.listdir(part) == []

@@ -12,6 +12,7 @@ import logging
 import os
 import stat
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -19,6 +20,7 @@ import fsspec
 import xxhash
 
 from cmroot import checksum as cks
+from cmroot import faults
 from cmroot.exceptions import BadRequest, ChecksumMismatch, NotFound
 from cmroot.store import confined
 from cmroot.store.layout import same_bytes
@@ -288,8 +290,37 @@ class LocalSession(Session):
             raise
         if identity(st) != ident:
             return False
-        os.unlink(name, dir_fd=pfd)
-        return True
+        faults.point("source.take_checked")
+        # Take exactly the file checked: unlink has no condition, so whatever is at the
+        # name now (a writer may have renamed a new file over it since) is first renamed
+        # aside, atomically, and looked at there. Only the file copied is removed.
+        aside = f".cmroot-take-{uuid.uuid4().hex}"
+        try:
+            os.rename(name, aside, src_dir_fd=pfd, dst_dir_fd=pfd)
+        except FileNotFoundError:
+            return False
+        moved = os.stat(aside, dir_fd=pfd, follow_symlinks=False)
+        # The rename itself changed its ctime: the inode and content stamps say whether
+        # it is the file checked.
+        if (moved.st_dev, moved.st_ino, moved.st_size, moved.st_mtime_ns) == (
+            st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+        ):
+            os.unlink(aside, dir_fd=pfd)
+            return True
+        self._restore_aside(pfd, aside, name, rel)
+        return False
+
+    def _restore_aside(self, pfd: int, aside: str, name: str, rel: str) -> None:
+        """Put back a file a take moved aside and found was not the one copied, never
+        over one created at its name meanwhile (then it stays beside it, said in the log)."""
+        src = f"/proc/self/fd/{pfd}/{aside}"
+        try:
+            confined.rename_noreplace(src, name, pfd)
+        except FileExistsError:
+            beside = f"{name}.cmroot-conflict-{aside[len('.cmroot-take-'):]}"
+            confined.rename_noreplace(src, beside, pfd)
+            log.warning("a file written during a take was put back beside the path"
+                        " re-created meanwhile", extra={"path": rel, "as": beside})
 
     def remove_empty_dirs(self, rel: str, keep: Callable[[str], bool]) -> None:
         try:
