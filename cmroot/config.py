@@ -414,8 +414,9 @@ def _uid(value: object) -> int:
 
 
 def local_path(url_or_path: str) -> str | None:
-    """The local path behind `/x` or `file:///x`, or None for another filesystem."""
-    if url_or_path.startswith("file://"):
+    """The local path behind `/x`, `file:///x` or `local:///x` (fsspec's two names of the
+    local filesystem), or None for another filesystem."""
+    if url_or_path.startswith(("file://", "local://")):
         return urlsplit(url_or_path).path or "/"
     if "://" in url_or_path:
         return None
@@ -429,6 +430,11 @@ def absolute_root(value: str, key: str) -> str:
         raise ConfigError(f"bad value for {key}", "write an absolute path or an fsspec URL")
     local = local_path(value)
     if local is None:
+        if "::" in value:
+            raise ConfigError(
+                f"bad value for {key}",
+                f"{value!r} chains filesystems: name the filesystem itself (s3://bucket/...)",
+            )
         return value.rstrip("/")
     if "\0" in local or not os.path.isabs(local):
         raise ConfigError(
@@ -439,6 +445,8 @@ def absolute_root(value: str, key: str) -> str:
 
 # Hadoop spellings fsspec does not register, and the ones it opens as they are.
 _SCHEME_ALIASES = {"s3n": "s3", "abfss": "abfs"}
+# Filesystems whose first path component is the bucket: `s3:///b/x` opens `s3://b/x`.
+_BUCKETS = frozenset({"s3fs.S3FileSystem", "gcsfs.GCSFileSystem", "adlfs.AzureBlobFileSystem"})
 
 
 def place_key(value: str) -> str:
@@ -453,6 +461,8 @@ def place_key(value: str) -> str:
     scheme = _SCHEME_ALIASES.get(scheme.lower(), scheme.lower())
     opener = known_implementations.get(scheme, {}).get("class", scheme)
     authority, _, path = rest.partition("/")
+    if not authority and opener in _BUCKETS:
+        authority, _, path = path.lstrip("/").partition("/")
     path = posixpath.normpath("/" + path).lstrip("/")
     return f"{opener}://{authority.lower()}/{path}".rstrip("/")
 

@@ -262,6 +262,8 @@ class Warehouse:
                     ) from None
                 raise
             for f in found:
+                if not loc.root.local:
+                    _addressable(f.key)
                 files.setdefault(f.key, (loc.root, f))
             if is_dir:
                 dirs.append(loc)
@@ -352,9 +354,29 @@ def _url_key(raw: str) -> str:
     """A URL as roots and paths on other filesystems are compared and recorded: its path
     normalised, its authority as given. An empty authority stays empty (`hdfs:///wh` is
     the default namenode's /wh, never a namenode called `wh`)."""
+    if "?versionId=" in raw:
+        # s3fs reads it as a version of the key before it: what would be moved is not
+        # what would be recorded.
+        raise BadRequest("bad path", f"{raw[:300]!r}: name the file without ?versionId=")
     scheme, _, rest = raw.partition("://")
     authority, _, path = rest.partition("/")
     return f"{scheme}://{authority}{_normalise('/' + path, raw).rstrip('/')}"
+
+
+def _addressable(key: str) -> None:
+    """Refuse a listed object whose key is not its own normal spelling (`t/./a`,
+    `t/p=1//a`: keys of their own on an object store): recorded as listed, every lookup
+    would normalise the path and never find it again. Raised before anything moves."""
+    try:
+        same = _url_key(key) == key.rstrip("/")
+    except BadRequest:
+        same = False
+    if not same:
+        raise Conflict(
+            "a file cannot be recorded by its path",
+            f"{key[:300]!r} has '.', '..' or empty segments or '?versionId=' in its key, which"
+            " no path lookup can name: rename it (copy it to a plain key), then try again",
+        )
 
 
 def _under(path: str, root: str) -> bool:

@@ -137,12 +137,12 @@ def _suspended_like_aws(monkeypatch: pytest.MonkeyPatch, fs: Any, bucket: str) -
 # -- breaks -----------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="a take in a versioning-suspended bucket deletes by "
-                   "VersionId=null: whatever object is there now, the writer's too")
-def test_take_in_a_versioning_suspended_bucket_deletes_the_writers_new_object(
+def test_held_take_in_a_versioning_suspended_bucket_keeps_the_writers_new_object(
     s3s: S3Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No loss (1): a file never recycled is never deleted. In a bucket whose versioning
+    """A break at 72e54ca (review 31); fixed by source.remote.remote_ident (a "null"
+    version id names no version: the ETag does).
+    No loss (1): a file never recycled is never deleted. In a bucket whose versioning
     is suspended (or whose objects predate enabling it), every object is the version
     `null`: a rewrite replaces it and keeps the version id. remote_ident() takes the
     version id first, so the identity a take records is "versionid:null" whatever the
@@ -168,12 +168,11 @@ def test_take_in_a_versioning_suspended_bucket_deletes_the_writers_new_object(
     assert s3s.get("db.db/t/f") == new, "the writer's new object was deleted"
 
 
-@pytest.mark.xfail(strict=True, reason="resolve trusts a cached checksum under the "
-                   "identity versionid:null, which every rewrite in a suspended bucket keeps")
-def test_resolve_in_a_versioning_suspended_bucket_answers_for_bytes_no_longer_there(
+def test_held_resolve_in_a_versioning_suspended_bucket_follows_a_rewrite(
     s3s: S3Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Right bytes (3): "a trusted earlier verification holds only while the file's
+    """A break at 72e54ca (review 31); fixed by source.remote.remote_ident (as above).
+    Right bytes (3): "a trusted earlier verification holds only while the file's
     identity (ETag or version id) is unchanged". The same root cause as the take above,
     through resolve: remote_ident() gives "versionid:null" for every object of a
     versioning-suspended bucket, so resolve caches (path, versionid:null) -> checksum and
@@ -195,14 +194,13 @@ def test_resolve_in_a_versioning_suspended_bucket_answers_for_bytes_no_longer_th
     assert got == {c_old: "missing", c_new: "original"}, got
 
 
-@pytest.mark.xfail(strict=True, reason="a key with a '.' or '//' segment is recorded as "
-                   "listed, then every lookup normalises the path: the dropped file is "
-                   "retrievable by no path")
 @pytest.mark.parametrize("key", ["db.db/t/./a", "db.db/t/p=1//a"])
-def test_a_dropped_file_whose_key_has_a_dot_or_empty_segment_is_lost(
+def test_held_a_drop_of_a_key_with_a_dot_or_empty_segment_is_refused(
     s3s: S3Store, key: str
 ) -> None:
-    """No loss (1). S3 keys are opaque: `t/./a` and `t/p=1//a` are keys of their own (a
+    """A break at 72e54ca (review 31); fixed by warehouse._addressable (a 409 before
+    anything moves).
+    No loss (1). S3 keys are opaque: `t/./a` and `t/p=1//a` are keys of their own (a
     job joining "t/p=1/" and "/a" writes the second). A DROP of the table directory lists
     them (RemoteSource.expand: fs.find, key = base + sub, never normalised), takes them
     and records entries and the event under `s3://wh/db.db/t/./a`. Every lookup then
@@ -226,12 +224,11 @@ def test_a_dropped_file_whose_key_has_a_dot_or_empty_segment_is_lost(
     assert s3s.served(listed, c) == data
 
 
-@pytest.mark.xfail(strict=True, reason="'?versionId=' in a request path: s3fs strips it, "
-                   "so the take removes the plain key, recorded under the bogus path")
-def test_a_path_with_a_version_query_takes_the_file_and_records_another_path(
+def test_held_a_path_with_a_version_query_is_refused(
     s3s: S3Store,
 ) -> None:
-    """No loss (1), and bad input changes nothing (5). A recycle of
+    """A break at 72e54ca (review 31); fixed by warehouse._url_key (a 400).
+    No loss (1), and bad input changes nothing (5). A recycle of
     `s3://wh/db.db/t/f?versionId=zzz` (a pasted console URL, or a real key containing
     that text) is confined as the key `db.db/t/f?versionId=zzz`; s3fs's split_path cuts
     `?versionId=...` off every path it is given (version_aware or not), so expand, the
@@ -253,13 +250,13 @@ def test_a_path_with_a_version_query_takes_the_file_and_records_another_path(
     assert r.status == "cmroot", "db.db/t/f was taken and is retrievable by no path"
 
 
-@pytest.mark.xfail(strict=True, reason="place_key: `s3:///bucket` (empty authority) and "
-                   "chained URLs are not recognised as the store's bucket")
 @pytest.mark.parametrize("spelling", ["s3:///{st}", "simplecache::s3://{st}"])
-def test_a_warehouse_root_spelled_without_authority_holds_the_store(
+def test_held_a_warehouse_root_without_authority_or_chained_never_holds_the_store(
     s3s: S3Store, spelling: str
 ) -> None:
-    """Confinement (5), then no loss (1). s3fs opens `s3:///<bucket>` as the bucket (it
+    """A break at 72e54ca (review 31); fixed by config.place_key (the bucket of
+    `s3:///b`) and absolute_root (no chained roots).
+    Confinement (5), then no loss (1). s3fs opens `s3:///<bucket>` as the bucket (it
     strips the leading "/" of the path), and fsspec opens `simplecache::s3://<bucket>` as
     the same bucket through a cache; config.place_key keys the first with an empty
     authority (`s3fs.S3FileSystem:///<bucket>`) and leaves the second's scheme
@@ -297,10 +294,9 @@ def test_a_warehouse_root_spelled_without_authority_holds_the_store(
             pytest.fail(f"{root} holds the store; the dropped file is lost")
 
 
-@pytest.mark.xfail(strict=True, reason="place_key: a `local://` root is the local "
-                   "filesystem but is keyed apart from local paths; _fence misses it too")
-def test_a_local_scheme_warehouse_root_holds_a_local_store(tmp_path: Path) -> None:
-    """Confinement (5), then no loss (1). fsspec opens `local:///x` as the local
+def test_held_a_local_scheme_warehouse_root_never_holds_a_local_store(tmp_path: Path) -> None:
+    """A break at 72e54ca (review 31); fixed by config.local_path (`local://` is local).
+    Confinement (5), then no loss (1). fsspec opens `local:///x` as the local
     filesystem, like `file:///x`; config.local_path knows only `file://`, so place_key
     keys `local:///<base>` as `fsspec.implementations.local.LocalFileSystem:///<base>`,
     never equal to or above the store's plain path `<base>/cm`: the config check and

@@ -31,7 +31,9 @@ def remote_ident(info: dict[str, Any]) -> str | None:
     """An object store file's identity: its version id or ETag, else (weakest) size and
     modification time; None when the filesystem gives none of them."""
     for key in ("VersionId", "version_id", "ETag", "etag", "generation"):
-        if info.get(key):
+        # "null" is the version of every object written while versioning was off or
+        # suspended: a rewrite keeps it, so it names no version and the ETag must.
+        if info.get(key) and info[key] != "null":
             return f"{key.lower()}:{info[key]}"
     mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
     if mtime is None:
