@@ -20,6 +20,8 @@ from cmroot.store.layout import Layout
 
 log = logging.getLogger(__name__)
 
+_NOT_OWNED = "not removed: the store's OWNER marker does not name this index"
+
 
 class Objects:
     def __init__(
@@ -86,6 +88,8 @@ class Objects:
                 return False
             if checksum in self._claims or self.index.get_object(checksum) is not None:
                 return False
+            if not self.layout.owned():
+                return False  # another index may have deduplicated against it: fsck's
             self.layout.unlink_object(checksum)
             return True
 
@@ -99,10 +103,21 @@ class Objects:
         ones' rows under the same lock, so that nobody who takes it (an online fsck) ever
         sees a row whose object a sweep is between removing and forgetting. Each comes
         back with "deleted", "trashed", None if it is claimed, recycled again or held since
-        it was picked, or the error that kept it."""
+        it was picked, or the error that kept it. Nothing is removed unless the store is
+        this index's (Layout.owned): another index's entries may need any object."""
         out: list[tuple[StoredObject, str | None]] = []
         with self._lock:
             free = still([o.checksum for o in objs if o.checksum not in self._claims])
+            if free and not self.layout.owned():
+                log.error(
+                    "retention sweep refused: the store's OWNER marker does not name this"
+                    " index, so another one may need these objects",
+                    extra={"store": self.layout.root, "objects": len(free),
+                           "fix": "stop every daemon using the store but the one whose index"
+                                  " keeps it, delete OWNER (that one writes it again), and"
+                                  " run `cmroot fsck` there for the others' objects"},
+                )
+                return [(o, _NOT_OWNED if o.checksum in free else None) for o in objs]
             for o in objs:
                 if o.checksum not in free:
                     out.append((o, None))

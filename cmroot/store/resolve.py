@@ -19,7 +19,7 @@ from cmroot.index import Index
 from cmroot.store import read
 from cmroot.store.layout import Layout
 from cmroot.store.source.local import ident_of, ident_str
-from cmroot.store.source.remote import fresh_info, remote_ident
+from cmroot.store.source.remote import changed, fresh_info, remote_ident
 from cmroot.store.warehouse import Located, Warehouse
 
 MAX_PAIRS = 100_000
@@ -111,7 +111,7 @@ class Resolver:
     ) -> dict[str, str]:
         """Checksums of existing originals: from the cache while their identity is the
         one cached, else hashed. A local file is hashed from the descriptor its identity
-        was taken from, and is left out (no checksum) if it vanished or changed while
+        was taken from; a file is left out (no checksum) if it vanished or changed while
         hashed: such a pair is then not `original`. More than one file to hash holding
         over `max_bytes` is refused (PayloadTooLarge) before any is read."""
         sums = self.index.cached_checksums(
@@ -168,14 +168,22 @@ def _stat(loc: Located) -> _Original | None:
 
 
 def _hash(o: _Original) -> tuple[str | None, str] | None:
-    """(identity, checksum) of an original, read once; None if it is gone, or kept
-    changing while hashed. Local files: open, fstat, hash from that descriptor, fstat
-    again: the identity cached is the one the bytes were read under."""
+    """(identity, checksum) of an original, read once; None if it is gone, or changed
+    while hashed: the identity cached is the one the bytes were read under. Local files:
+    open, fstat, hash from that descriptor, fstat again. Remote ones: the identity `_stat`
+    read, looked at again once the bytes are read."""
     if not o.loc.local:
+        fs, path = o.loc.root.fs, o.loc.path
         try:
-            return o.ident, cks.of_file(o.loc.root.fs, o.loc.path)
+            c = cks.of_file(fs, path)
         except (FileNotFoundError, NotADirectoryError):
             return None
+        # A writer between `_stat` and the read would have its bytes' checksum cached
+        # under the old ETag, which the old bytes bring back (a single-part ETag is their
+        # MD5). An original with no identity is never cached, so is not looked at again.
+        if o.ident is not None and changed(fs, path, o.ident):
+            return None
+        return o.ident, c
     opened = _open_regular(o.loc)
     if opened is None:
         return None

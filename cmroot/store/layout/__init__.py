@@ -76,6 +76,12 @@ class Layout(ABC):
     def writable(self) -> bool:
         """Whether the store can be written now (readiness)."""
 
+    def owned(self) -> bool:
+        """Whether this index may delete objects: one that another index also uses holds
+        objects only that one knows. A local store is the host's alone (its lock), so
+        always; a remote one asks its `OWNER` marker (see RemoteLayout)."""
+        return True
+
     @abstractmethod
     def begin_tx(self, txid: str) -> None:
         """Make room for a transaction's staged files."""

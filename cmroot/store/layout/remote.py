@@ -11,7 +11,8 @@ Objects share no inode with any warehouse file, so nothing here ever needs a pri
 
 The index and the write lock stay on local disk (`work`, beside the index). The store
 root holds an `OWNER` marker naming that index: a second daemon with another index would
-sweep objects it does not know of, so it is refused at open."""
+sweep objects it does not know of, so it is refused at open, and only the index OWNER
+names deletes objects (`owned`)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ _PART = 1 << 30
 _GLOB = frozenset("*?[]")
 # The user metadata key naming the staged file an object was published from.
 _MADE_BY = "cmroot-staged"
+# The first word of an OWNER naming two indexes, which no index may delete objects under.
+_CONTESTED = "contested:"
 
 
 class RemoteLayout(Layout):
@@ -67,6 +70,7 @@ class RemoteLayout(Layout):
         # under this lock: a copy then a delete is not atomic as a rename is, so a reader's
         # quarantine must never interleave with a heal of the same object.
         self._names = threading.Lock()
+        self._me: str | None = None  # this index's OWNER line, once lock() took the store
 
     def location(self, checksum: str) -> str:
         url: str = self.fs.unstrip_protocol(self.object_path(checksum))
@@ -79,12 +83,7 @@ class RemoteLayout(Layout):
         fd = take_lock(os.path.join(self.work, "store.lock"), f"remote:{self.root}", self.root)
         me = f"{self._index_id()} {socket.gethostname()}:{os.path.realpath(self.work)}\n"
         try:
-            try:
-                with self.fs.open(self.owner, "xb") as f:
-                    f.write(me.encode())
-            except FileExistsError:
-                pass
-            owner = self.fs.cat_file(self.owner).decode(errors="replace")
+            owner = self._owner(me)
         except BaseException as e:
             release_lock(f"remote:{self.root}", fd)
             if not isinstance(e, Exception):
@@ -103,7 +102,36 @@ class RemoteLayout(Layout):
                 f" {self.fs.unstrip_protocol(self.owner)} (its objects are then unindexed:"
                 " run `cmroot fsck`)",
             )
+        self._me = me
         return fd
+
+    def _owner(self, me: str) -> str:
+        """OWNER's text, written as `me` first if it is missing: by exclusive create (S3
+        If-None-Match), so that of two daemons finding it missing only one writes it."""
+        try:
+            data: bytes = self.fs.cat_file(self.owner)
+        except FileNotFoundError:
+            with contextlib.suppress(FileExistsError), self.fs.open(self.owner, "xb") as f:
+                f.write(me.encode())
+            data = self.fs.cat_file(self.owner)
+        return data.decode(errors="replace")
+
+    def owned(self) -> bool:
+        """Whether OWNER names this index. A marker deleted while the daemon runs is
+        written again (it was checked only at open: a second index could take the store
+        meanwhile). One naming another index means that happened: each index knows
+        objects the other does not, so OWNER is marked contested, naming both, and
+        neither deletes anything until an operator keeps one (the other index cannot
+        tell on its own: OWNER names it)."""
+        if self._me is None:
+            return False  # opened read-only: the store was never taken
+        owner = self._owner(self._me)
+        if owner.split(" ", 1)[0] == self._me.split(" ", 1)[0]:
+            return True
+        if not owner.startswith(_CONTESTED):
+            self.fs.pipe_file(self.owner,
+                              f"{_CONTESTED} {owner.strip()} | {self._me.strip()}\n".encode())
+        return False
 
     def _index_id(self) -> str:
         """A random id made once beside the index: what the store's OWNER names."""
@@ -119,11 +147,14 @@ class RemoteLayout(Layout):
 
     def writable(self) -> bool:
         try:
-            return fresh_info(self.fs, self.owner).get("type") == "file"
-        except Exception:  # unreachable, refused, gone: not ready, whatever the reason
+            return self.owned()
+        except Exception:  # unreachable, refused: not ready, whatever the reason
             return False
 
     def begin_tx(self, txid: str) -> None:
+        # Each recycle puts a deleted OWNER back, or marks it contested if another index
+        # took the store meanwhile, even where no readiness probe asks (owned).
+        self.owned()
         self.fs.makedirs(self.tx_dir(txid), exist_ok=True)  # a no-op on object stores
 
     def end_tx(self, txid: str) -> None:
