@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from tests.adversarial.s3_store import s3s  # noqa: F401 - the reviews of the store on S3
 from tests.repl.conftest import (  # noqa: F401 - fixtures the modules use
     RETAIN_OVERRIDES,
     SharedDestination,
