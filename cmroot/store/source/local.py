@@ -52,6 +52,22 @@ def identity(st: os.stat_result) -> str:
     return ident_str(ident_of(st))
 
 
+_TAKE = ".cmroot-take-"  # the hidden name a take moves its source to before the check
+
+
+def _return_beside(src: str, name: str, pfd: int, tag: str, rel: str, what: str) -> None:
+    """Rename the absolute path `src` back to `name` below `pfd`, never over anything
+    created there meanwhile: then beside it, as `<name>.cmroot-conflict-<tag>`, said in
+    the log."""
+    try:
+        confined.rename_noreplace(src, name, pfd)
+    except FileExistsError:
+        beside = f"{name}.cmroot-conflict-{tag}"
+        confined.rename_noreplace(src, beside, pfd)
+        log.warning(f"{what} was put back beside the path re-created meanwhile",
+                    extra={"path": rel, "as": beside})
+
+
 class LocalSource(Source):
     local = True
 
@@ -225,13 +241,8 @@ class LocalSession(Session):
             # and the rename): it goes back as it is, never over anything; if its name was
             # taken meanwhile, beside it under a name that says why. The store keeps
             # regular files only, so this is the one place such a thing can go.
-            try:
-                confined.rename_noreplace(staged, name, pfd)
-            except FileExistsError:
-                aside = f"{name}.cmroot-conflict-{os.path.basename(os.path.dirname(staged))}"
-                confined.rename_noreplace(staged, aside, pfd)
-                log.warning("a non-file swapped in during a recycle was put back beside the"
-                            " path re-created meanwhile", extra={"path": rel, "as": aside})
+            _return_beside(staged, name, pfd, os.path.basename(os.path.dirname(staged)), rel,
+                           "a non-file swapped in during a recycle")
             return True
         try:
             # A link never replaces a file a writer created meanwhile; a crash between it
@@ -294,7 +305,7 @@ class LocalSession(Session):
         # Take exactly the file checked: unlink has no condition, so whatever is at the
         # name now (a writer may have renamed a new file over it since) is first renamed
         # aside, atomically, and looked at there. Only the file copied is removed.
-        aside = f".cmroot-take-{uuid.uuid4().hex}"
+        aside = f"{_TAKE}{uuid.uuid4().hex}"
         try:
             os.rename(name, aside, src_dir_fd=pfd, dst_dir_fd=pfd)
         except FileNotFoundError:
@@ -307,20 +318,10 @@ class LocalSession(Session):
         ):
             os.unlink(aside, dir_fd=pfd)
             return True
-        self._restore_aside(pfd, aside, name, rel)
+        # Not the file copied: it goes back.
+        _return_beside(f"/proc/self/fd/{pfd}/{aside}", name, pfd, aside[len(_TAKE):], rel,
+                       "a file written during a take")
         return False
-
-    def _restore_aside(self, pfd: int, aside: str, name: str, rel: str) -> None:
-        """Put back a file a take moved aside and found was not the one copied, never
-        over one created at its name meanwhile (then it stays beside it, said in the log)."""
-        src = f"/proc/self/fd/{pfd}/{aside}"
-        try:
-            confined.rename_noreplace(src, name, pfd)
-        except FileExistsError:
-            beside = f"{name}.cmroot-conflict-{aside[len('.cmroot-take-'):]}"
-            confined.rename_noreplace(src, beside, pfd)
-            log.warning("a file written during a take was put back beside the path"
-                        " re-created meanwhile", extra={"path": rel, "as": beside})
 
     def remove_empty_dirs(self, rel: str, keep: Callable[[str], bool]) -> None:
         try:
