@@ -4,6 +4,7 @@ xxhash releases the GIL while hashing, so a thread pool hashes several files at 
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -121,15 +122,32 @@ def many(
             yield path, digest
 
 
-def read_fd(fd: int, size: int) -> bytes:
+def read_fd(fd: int, size: int, nowait: bool = False) -> bytes:
     """Read a whole file from an open descriptor by pread, from offset 0: `size` bytes as
-    fstat said, plus whatever it grew by meanwhile (the caller compares the length)."""
+    fstat said, plus whatever it grew by meanwhile (the caller compares the length). With
+    `nowait`, only from the page cache: BlockingIOError when a byte would have to come
+    from the disk (preadv2 RWF_NOWAIT), so the event loop never waits on a read."""
     parts: list[bytes] = []
     offset = 0
-    while chunk := os.pread(fd, max(size + 1 - offset, 1 << 16), offset):
+    read = _pread_nowait if nowait else os.pread
+    while chunk := read(fd, max(size + 1 - offset, 1 << 16), offset):
         parts.append(chunk)
         offset += len(chunk)
     return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _pread_nowait(fd: int, n: int, offset: int) -> bytes:
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None:
+        raise BlockingIOError(errno.EAGAIN, "no RWF_NOWAIT on this platform")
+    buf = bytearray(n)
+    try:
+        got = os.preadv(fd, [buf], offset, flag)
+    except OSError as e:
+        if e.errno == errno.EOPNOTSUPP:  # a filesystem that cannot promise it
+            raise BlockingIOError(errno.EAGAIN, "RWF_NOWAIT not supported here") from None
+        raise
+    return bytes(memoryview(buf)[:got])
 
 
 def of_fd(fd: int) -> tuple[str, int]:

@@ -373,6 +373,11 @@ class Store:
                 out[i] = replace(r, path=out[i].path)
         return out
 
+    def open_cached(self, path: object, checksum: object, inline_max: int) -> Verified:
+        """`open_verified` from memory alone, for an event loop (see Reader.open_cached):
+        raises WouldBlock whenever `open_verified` must be asked instead."""
+        return self.reader.open_cached(path, checksum, inline_max)
+
     def open_verified(self, path: object, checksum: object, inline_max: int = 0) -> Verified:
         """The verified bytes for (path, checksum), as an open descriptor (invariant 3):
         the original if it still hashes to the checksum, else the store's object if an

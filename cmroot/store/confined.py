@@ -23,6 +23,7 @@ _SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437, "arm64": 437}.get(platform.machin
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_BENEATH = 0x08
+_RESOLVE_CACHED = 0x20  # Linux 5.12+: EAGAIN unless every component is in the dcache
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
 # Errors that mean "a symlink, or a way out of the root, is on the path".
 ESCAPE = frozenset({errno.ELOOP, errno.EXDEV})
@@ -57,6 +58,32 @@ def _openat2(dir_fd: int, rel: str, flags: int, mode: int) -> int | None:
             _have_openat2 = False  # containers often filter it: walk instead, from now on
         return None
     raise OSError(err, os.strerror(err), rel)
+
+
+def open_cached(dir_fd: int, rel: str, flags: int, beneath: bool = True) -> int:
+    """openat2 of `rel` (below `dir_fd` with no symlink followed, or, without `beneath`, a
+    path an administrator configured) answered from the kernel's dentry cache alone: it
+    never waits for a disk or a server. BlockingIOError when the lookup would have to
+    (or this kernel cannot promise that): the caller does the open on a thread."""
+    if not _have_openat2:
+        raise BlockingIOError(errno.EAGAIN, "openat2 unavailable", rel)
+    resolve = _RESOLVE_CACHED
+    if beneath:
+        _parts(rel)
+        resolve |= _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+    how = _OpenHow(flags | os.O_CLOEXEC, 0, resolve)
+    fd = _libc.syscall(_SYS_OPENAT2, dir_fd, os.fsencode(rel), ctypes.byref(how),
+                       ctypes.sizeof(how))
+    if fd >= 0:
+        return int(fd)
+    err = ctypes.get_errno()
+    if err in (errno.EAGAIN, errno.ENOSYS, errno.EPERM, errno.EINVAL):
+        # EINVAL: a kernel before RESOLVE_CACHED; ENOSYS/EPERM: no openat2 (seccomp)
+        raise BlockingIOError(errno.EAGAIN, "not answerable from the dentry cache", rel)
+    raise OSError(err, os.strerror(err), rel)
+
+
+AT_FDCWD = -100
 
 
 def _parts(rel: str) -> list[str]:
@@ -141,7 +168,6 @@ def directory(path: str) -> Iterator[int]:
 
 _SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "arm64": 276}.get(platform.machine())
 _RENAME_NOREPLACE = 1
-_AT_FDCWD = -100
 
 
 def rename_noreplace(src: str, dst: str, dst_dir_fd: int) -> None:
@@ -149,7 +175,7 @@ def rename_noreplace(src: str, dst: str, dst_dir_fd: int) -> None:
     that is there (FileExistsError): renameat2(RENAME_NOREPLACE), or a check then a rename
     where the kernel or filesystem lacks it."""
     if _SYS_RENAMEAT2 is not None:
-        r = _libc.syscall(_SYS_RENAMEAT2, _AT_FDCWD, os.fsencode(src), dst_dir_fd,
+        r = _libc.syscall(_SYS_RENAMEAT2, AT_FDCWD, os.fsencode(src), dst_dir_fd,
                           os.fsencode(dst), _RENAME_NOREPLACE)
         if r == 0:
             return

@@ -33,6 +33,7 @@ from cmroot.exceptions import NotFound
 from cmroot.index import Index
 from cmroot.store import confined
 from cmroot.store.layout import Layout
+from cmroot.store.layout.local import LocalLayout
 from cmroot.store.layout.remote import RemoteLayout
 from cmroot.store.source import RootUnavailable
 from cmroot.store.source.local import Ident, LocalSource, ident_of, ident_str
@@ -51,6 +52,7 @@ _ATTEMPTS = 3  # hashes of a file whose identity keeps moving before giving up o
 # O_NONBLOCK: a FIFO planted in the warehouse must not block the open; it is then
 # refused by fstat like any other special file.
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 # Errors that mean the file went away between two steps (NFS says ESTALE).
 VANISHED = frozenset({errno.ENOENT, errno.ESTALE, errno.ENOTDIR})
 # Errors of an open that mean "no readable regular file here, through no symlink".
@@ -75,6 +77,11 @@ NO_FILE = (
 def settled(ident: Ident) -> bool:
     """Whether the identity can vouch for the bytes (its ctime is not too recent)."""
     return time.time_ns() - ident[4] > RACY_NS
+
+
+class WouldBlock(Exception):
+    """`Reader.open_cached` cannot answer from memory alone: ask `open_verified` on a
+    thread, which gives the full answer."""
 
 
 class Quarantined(NotFound):
@@ -207,6 +214,78 @@ class Reader:
         raise NotFound(
             "no such file", f"{loc.key} with checksum {c} is neither at its path nor in the store"
         )
+
+    def open_cached(self, path: object, checksum: object, inline_max: int) -> Verified:
+        """`open_verified` for the event loop: the same checks on the same descriptor, with
+        every lookup answered from the kernel's caches (openat2 RESOLVE_CACHED, preadv2
+        RWF_NOWAIT) and the index, never a wait for a disk. It only ever returns bytes it
+        verified. Anything else raises WouldBlock, for `open_verified` on a thread to
+        decide with its full rules: a file over `inline_max`, a path through a symlink, a
+        remote root or store, bytes not in the page cache, an original or object that is
+        missing or does not match (quarantine is the thread's job). Bad input raises
+        what `open_verified` raises."""
+        if not isinstance(self.layout, LocalLayout):
+            raise WouldBlock("the store is remote")
+        c = cks.validate(checksum)
+        loc = self.warehouse.locate(path, resolve=False)  # by name: symlinks fail below
+        source = loc.root.source
+        if not isinstance(source, LocalSource) or source.outer is not None:
+            raise WouldBlock("a remote or nested root")
+        try:
+            found = self._cached_original(source.real, root_rel(loc), c, inline_max)
+            if found is not None:
+                return found
+            if not self.index.recorded([(loc.key, c)]):
+                raise WouldBlock("no entry: the thread looks for renames and says 404")
+            return self._cached_object(c, inline_max)
+        except OSError as e:
+            raise WouldBlock(str(e)) from None
+
+    def _cached_original(self, root: str, rel: str, c: str, inline_max: int
+                         ) -> Verified | None:
+        """The original, verified; None when no file is at its path or it holds other
+        bytes (then its recycled copy may answer)."""
+        if not rel:
+            return None
+        rfd = confined.open_cached(confined.AT_FDCWD, root, DIR_FLAGS, beneath=False)
+        try:
+            fd = confined.open_cached(rfd, rel, READ_FLAGS)
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # not there: a cached negative lookup says so for certain
+        finally:
+            os.close(rfd)
+        return self._cached_verified(Status.ORIGINAL, fd, c, inline_max, "original")
+
+    def _cached_object(self, c: str, inline_max: int) -> Verified:
+        ofd = confined.open_cached(confined.AT_FDCWD, self.layout.objects, DIR_FLAGS,
+                                   beneath=False)
+        try:
+            fd = confined.open_cached(ofd, object_rel(c), READ_FLAGS)
+        finally:
+            os.close(ofd)
+        found = self._cached_verified(Status.CMROOT, fd, c, inline_max, "object")
+        if found is None:
+            raise WouldBlock("the object does not match: the thread quarantines it")
+        return found
+
+    def _cached_verified(self, status: Status, fd: int, c: str, inline_max: int, what: str
+                         ) -> Verified | None:
+        """A Verified of `fd` (closed otherwise) if its bytes, read whole from the page
+        cache, hash to `c`; None if they do not."""
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > inline_max:
+                raise WouldBlock(f"the {what} is not a small regular file")
+            check = self._check(fd, c, inline_max, None, nowait=True)
+            if check is not None and check.matched and check.stable:
+                return self._verified(status, c, fd, check)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        if check is None:
+            raise WouldBlock(f"the {what} changed while read")
+        return None
 
     # -- originals ------------------------------------------------------------------------
     def _original(self, loc: Located, c: str, inline_max: int) -> Verified | None:
@@ -355,9 +434,11 @@ class Reader:
         return self.layout.quarantined(c)
 
     # -- the check ------------------------------------------------------------------------
-    def _check(self, fd: int, c: str, inline_max: int, cache_key: str | None) -> _Check | None:
+    def _check(self, fd: int, c: str, inline_max: int, cache_key: str | None,
+               nowait: bool = False) -> _Check | None:
         """Hash the open file (or trust an earlier verification of this very identity).
-        None when it is not a regular file or vanished meanwhile."""
+        None when it is not a regular file or vanished meanwhile. With `nowait`, a file
+        up to `inline_max` read from the page cache only (BlockingIOError otherwise)."""
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -365,7 +446,7 @@ class Reader:
             ident = ident_of(st)
             if st.st_size <= inline_max:
                 # What is read is what will be served: its hash alone decides.
-                data = cks.read_fd(fd, st.st_size)
+                data = cks.read_fd(fd, st.st_size, nowait)
                 ok = len(data) <= inline_max and cks.of_bytes(data) == c
                 return _Check(ok, True, ident, data)
             if (c, ident) in self.trusted:
