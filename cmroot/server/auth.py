@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import ipaddress
 import re
@@ -76,6 +77,7 @@ class Tokens:
             )
 
 
+@functools.lru_cache(maxsize=256)  # asked on every request, with a handful of values
 def loopback_host(host: str | None) -> bool:
     """Whether a Host header names this machine's loopback: `localhost`, 127.0.0.0/8 or
     ::1, with an optional port. Open mode serves only those, so a web page whose own name
