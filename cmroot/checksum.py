@@ -8,6 +8,7 @@ import errno
 import os
 import re
 import stat
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
@@ -122,15 +123,18 @@ def many(
             yield path, digest
 
 
-def read_fd(fd: int, size: int, nowait: bool = False) -> bytes:
+def read_fd(fd: int, size: int, nowait: bool = False, limit: int | None = None) -> bytes:
     """Read a whole file from an open descriptor by pread, from offset 0: `size` bytes as
-    fstat said, plus whatever it grew by meanwhile (the caller compares the length). With
-    `nowait`, only from the page cache: BlockingIOError when a byte would have to come
-    from the disk (preadv2 RWF_NOWAIT), so the event loop never waits on a read."""
+    fstat said, plus whatever it grew by meanwhile (the caller compares the length), but
+    no more than `limit` bytes when given. With `nowait`, only from the page cache:
+    BlockingIOError when a byte would have to come from the disk (preadv2 RWF_NOWAIT),
+    so the event loop never waits on a read."""
     parts: list[bytes] = []
     offset = 0
     read = _pread_nowait if nowait else os.pread
-    while chunk := read(fd, max(size + 1 - offset, 1 << 16), offset):
+    end = sys.maxsize if limit is None else limit
+    while offset < end and (chunk := read(fd, min(max(size + 1 - offset, 1 << 16),
+                                                  end - offset), offset)):
         parts.append(chunk)
         offset += len(chunk)
     return parts[0] if len(parts) == 1 else b"".join(parts)

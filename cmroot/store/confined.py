@@ -23,6 +23,7 @@ _SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437, "arm64": 437}.get(platform.machin
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_BENEATH = 0x08
+_RESOLVE_NO_XDEV = 0x01
 _RESOLVE_CACHED = 0x20  # Linux 5.12+: EAGAIN unless every component is in the dcache
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
 # Errors that mean "a symlink, or a way out of the root, is on the path".
@@ -61,16 +62,19 @@ def _openat2(dir_fd: int, rel: str, flags: int, mode: int) -> int | None:
 
 
 def open_cached(dir_fd: int, rel: str, flags: int, beneath: bool = True) -> int:
-    """openat2 of `rel` (below `dir_fd` with no symlink followed, or, without `beneath`, a
-    path an administrator configured) answered from the kernel's dentry cache alone: it
-    never waits for a disk or a server. BlockingIOError when the lookup would have to
-    (or this kernel cannot promise that): the caller does the open on a thread."""
+    """openat2 of `rel` (below `dir_fd` with no symlink followed and no mount point crossed,
+    or, without `beneath`, a path an administrator configured) whose lookup is answered
+    from the kernel's dentry cache alone. BlockingIOError when it would have to ask the
+    disk (or this kernel cannot promise that): the caller does the open on a thread. The
+    lookup only: the open itself is the filesystem's (a FUSE or NFS server may be asked),
+    which is why `beneath` refuses to cross into another mount (EXDEV)."""
     if not _have_openat2:
         raise BlockingIOError(errno.EAGAIN, "openat2 unavailable", rel)
     resolve = _RESOLVE_CACHED
     if beneath:
         _parts(rel)
-        resolve |= _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+        resolve |= (_RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+                    | _RESOLVE_NO_XDEV)
     how = _OpenHow(flags | os.O_CLOEXEC, 0, resolve)
     fd = _libc.syscall(_SYS_OPENAT2, dir_fd, os.fsencode(rel), ctypes.byref(how),
                        ctypes.sizeof(how))
@@ -81,6 +85,21 @@ def open_cached(dir_fd: int, rel: str, flags: int, beneath: bool = True) -> int:
         # EINVAL: a kernel before RESOLVE_CACHED; ENOSYS/EPERM: no openat2 (seccomp)
         raise BlockingIOError(errno.EAGAIN, "not answerable from the dentry cache", rel)
     raise OSError(err, os.strerror(err), rel)
+
+
+# statfs(2) f_type of filesystems whose open, stat and cached reads are the local
+# kernel's own work: ext2-4, XFS, Btrfs, tmpfs, ZFS, F2FS. Not FUSE, NFS, SMB, Ceph,
+# overlayfs (an open may copy a file up) or anything unknown.
+_LOCAL_FS = frozenset({0xEF53, 0x58465342, 0x9123683E, 0x01021994, 0x2FC12FC1, 0xF2F52010})
+
+
+def local_filesystem(path: str) -> bool:
+    """Whether `path` lies on a filesystem of _LOCAL_FS. Ask it off the event loop: statfs
+    of a hung network mount blocks."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+    if _libc.statfs(os.fsencode(path), buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value in _LOCAL_FS
 
 
 AT_FDCWD = -100

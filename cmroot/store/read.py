@@ -189,6 +189,18 @@ class Reader:
         self.clock = clock
         self.readonly = readonly
         self.trusted = TrustCache()
+        # Where open_cached may look (asked here, off any event loop: statfs of a hung
+        # network mount blocks): local roots and the objects dir on local filesystems.
+        self._local_roots = {
+            r.source.real: confined.local_filesystem(r.source.real)
+            for r in warehouse.roots
+            if isinstance(r.source, LocalSource) and r.source.outer is None
+        }
+        self._objects_fs = (
+            layout.objects
+            if isinstance(layout, LocalLayout) and confined.local_filesystem(layout.objects)
+            else None
+        )
         # Called once per mismatch found (the daemon counts them).
         self.on_mismatch: Callable[[], None] | None = None
 
@@ -218,54 +230,57 @@ class Reader:
     def open_cached(self, path: object, checksum: object, inline_max: int) -> Verified:
         """`open_verified` for the event loop: the same checks on the same descriptor, with
         every lookup answered from the kernel's caches (openat2 RESOLVE_CACHED, preadv2
-        RWF_NOWAIT) and the index, never a wait for a disk. It only ever returns bytes it
-        verified. Anything else raises WouldBlock, for `open_verified` on a thread to
-        decide with its full rules: a file over `inline_max`, a path through a symlink, a
-        remote root or store, bytes not in the page cache, an original or object that is
+        RWF_NOWAIT) on local filesystems, so no warehouse file, disk or server is waited
+        for. The index lookup is an SQLite point query, as on the threads: its pages are
+        the daemon's hottest, read from the store's local disk when the page cache lost
+        them. It only ever returns bytes it verified. Anything else raises WouldBlock,
+        for `open_verified` on a thread to decide with its full rules: a file over
+        `inline_max`, a path through a symlink or a mount point, a remote or network
+        root or store, bytes not in the page cache, an original or object that is
         missing or does not match (quarantine is the thread's job). Bad input raises
         what `open_verified` raises."""
-        if not isinstance(self.layout, LocalLayout):
-            raise WouldBlock("the store is remote")
+        if self._objects_fs is None:
+            raise WouldBlock("the store is not on a local filesystem")
         c = cks.validate(checksum)
         loc = self.warehouse.locate(path, resolve=False)  # by name: symlinks fail below
         source = loc.root.source
-        if not isinstance(source, LocalSource) or source.outer is not None:
-            raise WouldBlock("a remote or nested root")
+        if not isinstance(source, LocalSource) or not self._local_roots.get(source.real):
+            raise WouldBlock("a remote, nested or network root")
         try:
             found = self._cached_original(source.real, root_rel(loc), c, inline_max)
             if found is not None:
                 return found
             if not self.index.recorded([(loc.key, c)]):
                 raise WouldBlock("no entry: the thread looks for renames and says 404")
-            return self._cached_object(c, inline_max)
+            return self._cached_object(self._objects_fs, c, inline_max)
         except OSError as e:
             raise WouldBlock(str(e)) from None
 
     def _cached_original(self, root: str, rel: str, c: str, inline_max: int
                          ) -> Verified | None:
-        """The original, verified; None when no file is at its path or it holds other
-        bytes (then its recycled copy may answer)."""
+        """The original, verified; None when no regular file is at its path or it holds
+        other bytes (then its recycled copy may answer)."""
         if not rel:
             return None
         rfd = confined.open_cached(confined.AT_FDCWD, root, DIR_FLAGS, beneath=False)
         try:
-            fd = confined.open_cached(rfd, rel, READ_FLAGS)
-        except (FileNotFoundError, NotADirectoryError):
-            return None  # not there: a cached negative lookup says so for certain
+            fd = _open_regular_cached(rfd, rel)
         finally:
             os.close(rfd)
+        if fd is None:
+            return None
         return self._cached_verified(Status.ORIGINAL, fd, c, inline_max, "original")
 
-    def _cached_object(self, c: str, inline_max: int) -> Verified:
-        ofd = confined.open_cached(confined.AT_FDCWD, self.layout.objects, DIR_FLAGS,
-                                   beneath=False)
+    def _cached_object(self, objects: str, c: str, inline_max: int) -> Verified:
+        ofd = confined.open_cached(confined.AT_FDCWD, objects, DIR_FLAGS, beneath=False)
         try:
-            fd = confined.open_cached(ofd, object_rel(c), READ_FLAGS)
+            fd = _open_regular_cached(ofd, object_rel(c))
         finally:
             os.close(ofd)
-        found = self._cached_verified(Status.CMROOT, fd, c, inline_max, "object")
+        found = None if fd is None else self._cached_verified(
+            Status.CMROOT, fd, c, inline_max, "object")
         if found is None:
-            raise WouldBlock("the object does not match: the thread quarantines it")
+            raise WouldBlock("no object, or it does not match: the thread decides")
         return found
 
     def _cached_verified(self, status: Status, fd: int, c: str, inline_max: int, what: str
@@ -273,9 +288,6 @@ class Reader:
         """A Verified of `fd` (closed otherwise) if its bytes, read whole from the page
         cache, hash to `c`; None if they do not."""
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > inline_max:
-                raise WouldBlock(f"the {what} is not a small regular file")
             check = self._check(fd, c, inline_max, None, nowait=True)
             if check is not None and check.matched and check.stable:
                 return self._verified(status, c, fd, check)
@@ -444,9 +456,12 @@ class Reader:
             if not stat.S_ISREG(st.st_mode):
                 return None
             ident = ident_of(st)
+            if nowait and st.st_size > inline_max:
+                raise BlockingIOError(errno.EAGAIN, "over the inline size: hashed on a thread")
             if st.st_size <= inline_max:
-                # What is read is what will be served: its hash alone decides.
-                data = cks.read_fd(fd, st.st_size, nowait)
+                # What is read is what will be served: its hash alone decides. One byte
+                # past the bound is enough to tell a file that grew meanwhile.
+                data = cks.read_fd(fd, st.st_size, nowait, limit=inline_max + 1)
                 ok = len(data) <= inline_max and cks.of_bytes(data) == c
                 return _Check(ok, True, ident, data)
             if (c, ident) in self.trusted:
@@ -492,6 +507,33 @@ def locate(warehouse: Warehouse, raw: object, attempts: int = 3) -> Located:
     log.info("path kept changing while looked up: its original is not considered",
              extra={"path": str(raw)[:300]})
     return warehouse.locate(raw, resolve=False)
+
+
+def _open_regular_cached(dir_fd: int, rel: str) -> int | None:
+    """A read descriptor of the regular file `rel` below `dir_fd`, looked up from memory
+    (confined.open_cached); None when nothing is there or it is no regular file. The file
+    is first reached by O_PATH, which opens nothing: a FIFO or a device is never opened
+    (the threads' lstat never opens them either), a FUSE or NFS open never runs here."""
+    try:
+        pfd = confined.open_cached(dir_fd, rel, os.O_PATH)
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # a cached negative lookup says so for certain
+    try:
+        st = os.fstat(pfd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        fd = confined.open_cached(dir_fd, rel, READ_FLAGS)
+    finally:
+        os.close(pfd)
+    try:
+        now = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        raise BlockingIOError(errno.EAGAIN, "replaced while opened", rel)
+    return fd
 
 
 def object_rel(checksum: str) -> str:
