@@ -139,6 +139,10 @@ class ServerConfig:
     keepalive_timeout: float = 15.0
     body_timeout: float = 15.0
     send_timeout: float = 30.0
+    # Processes answering on host:port: the primary (writes, recovery, the sweep) and
+    # processes - 1 that serve GET/HEAD /v1/files and POST /v1/resolve themselves and pass
+    # every other request to the primary.
+    processes: int = 1
 
     @property
     def base_url(self) -> str:
@@ -315,10 +319,18 @@ def _build(raw: dict[str, dict[str, Any]], source: str) -> Config:
     try:
         port = int(srv.get("port", DEFAULT_PORT))
         max_body = int(srv.get("max_body", ServerConfig.max_body))
+        processes = int(srv.get("processes", ServerConfig.processes))
     except (TypeError, ValueError) as e:
-        raise ConfigError("bad value for server.port or server.max_body", "use an integer") from e
+        raise ConfigError(
+            "bad value for server.port, server.max_body or server.processes", "use an integer"
+        ) from e
     if not 0 <= port < 65536:
         raise ConfigError("bad value for server.port", f"{port} is not a TCP port")
+    if not 1 <= processes <= MAX_PROCESSES:
+        raise ConfigError(
+            "bad value for server.processes",
+            f"{processes}: give 1 to {MAX_PROCESSES} (about one per core serves best)",
+        )
     server = ServerConfig(
         host=str(srv.get("host", ServerConfig.host)),
         port=port,
@@ -328,6 +340,7 @@ def _build(raw: dict[str, dict[str, Any]], source: str) -> Config:
         max_body=max_body,
         socket=_socket_path(srv.get("socket", "")),
         socket_uids=tuple(_uid(u) for u in _listed(srv.get("socket_uids", []))),
+        processes=processes,
         **{key: _timeout(srv, key) for key in _TIMEOUTS},
     )
     if bool(server.tls_cert) != bool(server.tls_key):
@@ -355,6 +368,7 @@ def _build(raw: dict[str, dict[str, Any]], source: str) -> Config:
 
 
 _TIMEOUTS = ("keepalive_timeout", "body_timeout", "send_timeout")
+MAX_PROCESSES = 64
 
 
 def _timeout(srv: dict[str, Any], key: str) -> float:

@@ -3,6 +3,7 @@ read from the index's running totals at scrape time by a collector, never by lis
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -13,8 +14,10 @@ from prometheus_client import (
     Histogram,
     PlatformCollector,
     ProcessCollector,
+    values,
 )
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -24,7 +27,30 @@ if TYPE_CHECKING:
 _REQUEST_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.5, 1, 5, 30, 120, 600)
 
 
+def share_between_processes(directory: str) -> None:
+    """Metrics made from now on keep their values in files under `directory`, which all
+    the processes of one daemon share (prometheus_client's multiprocess mode): whichever
+    process answers a scrape reports the sum of all (`shared_registry`). The library reads
+    the switch once, at import, from PROMETHEUS_MULTIPROC_DIR; setting it here as well
+    makes it hold for this process and for the processes it starts."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
+
+
+def shared_registry(directory: str) -> CollectorRegistry:
+    """What a scrape reports when processes share their metrics: every process's values,
+    summed (gauges as their mode says), plus this process's own process_* series."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, directory)  # type: ignore[no-untyped-call]
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    return registry
+
+
 class Metrics:
+    """The daemon's metrics on `registry`. Gauges say how processes sharing their values
+    add up (`multiprocess_mode`; ignored in a single process)."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         # process_* (CPU, memory, descriptors) and python_info, on this registry: the
@@ -71,6 +97,7 @@ class Metrics:
             "cmroot_gc_last_success_timestamp_seconds",
             "When the last sweep succeeded.",
             registry=registry,
+            multiprocess_mode="max",
         )
         self.resolve = Counter(
             "cmroot_resolve",
@@ -103,18 +130,21 @@ class Metrics:
             "cmroot_http_requests_in_flight",
             "HTTP requests being answered now.",
             registry=registry,
+            multiprocess_mode="livesum",
         )
         self.queue_depth = Gauge(
             "cmroot_work_queue_depth",
             "Requests admitted to a class of work (running or waiting for a worker).",
             ["class"],
             registry=registry,
+            multiprocess_mode="livesum",
         )
         self.queue_limit = Gauge(
             "cmroot_work_queue_limit",
             "Requests a class of work admits at once; beyond it the answer is 503.",
             ["class"],
             registry=registry,
+            multiprocess_mode="livesum",
         )
         for status in ("original", "cmroot", "missing"):
             self.resolve.labels(status)

@@ -20,14 +20,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+import aiohttp
 import msgspec
 from aiohttp import hdrs, web
+from multidict import CIMultiDict
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     disable_created_metrics,
     generate_latest,
 )
+from yarl import URL
 
 from cmroot import checksum as cks
 from cmroot.exceptions import (
@@ -118,7 +121,9 @@ class WorkClass:
         self.limit = limit.admitted
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix=f"cmroot-{name}")
         self.admitted = 0
-        metrics.queue_depth.labels(name).set_function(lambda: self.admitted)
+        # Counted up and down rather than read by a function at scrape time: processes
+        # sharing their metrics add their values up from files, which no function feeds.
+        self._depth = metrics.queue_depth.labels(name)
         metrics.queue_limit.labels(name).set(self.limit)
 
     @contextlib.contextmanager
@@ -132,10 +137,12 @@ class WorkClass:
                 f"nothing was done: retry in {RETRY_AFTER} s",
             )
         self.admitted += 1
+        self._depth.inc()
         try:
             yield
         finally:
             self.admitted -= 1
+            self._depth.dec()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -152,8 +159,12 @@ class Service:
         registry: CollectorRegistry,
         workers: int | None = None,
         send_timeout: float = 30.0,
+        shared: bool = False,
     ) -> None:
-        """`workers`, when given, is every class's thread count (small in-process tests)."""
+        """`workers`, when given, is every class's thread count (small in-process tests).
+        `registry` is what GET /metrics reports; `shared`: the daemon's processes share
+        their metrics (metrics.share_between_processes), and `registry` reads them back
+        from their files (metrics.shared_registry)."""
         self.store = store
         self.send_timeout = send_timeout  # server.send_timeout
         self.tokens = tokens
@@ -162,7 +173,9 @@ class Service:
         # timestamp no query here needs that doubles the series stored. The switch is
         # global to the library; the daemon exposes one registry, this one.
         disable_created_metrics()  # type: ignore[no-untyped-call]
-        self.metrics = Metrics(registry)
+        # Shared, the values are read back from their files: the metrics must not also
+        # be on the registry a scrape reads, or each would be reported twice.
+        self.metrics = Metrics(CollectorRegistry() if shared else registry)
         registry.register(StoreCollector(store))
         self.work = {
             name: WorkClass(name, limit, workers or limit.workers, self.metrics)
@@ -274,6 +287,10 @@ def _close_result(cf: Future[Verified]) -> None:
 
 
 SERVICE = web.AppKey("service", Service)
+# A serving process's route for everything it passes to the primary (as its canonical
+# name: the metrics' route label), and how many such requests it holds at once.
+_FORWARDED = "/{tail}"
+FORWARD = Limit(workers=1, admitted=256)
 WORK = web.RequestKey("work", WorkClass)  # the class a request was admitted to
 INLINE_MAX = 1 << 20  # files up to this size are served from memory, hashed as read
 # The last bytes of a sendfile'd response are held back until the descriptor's identity
@@ -301,11 +318,27 @@ def _file_headers(checksum: str, status: str) -> dict[str, str]:
     }
 
 
-def create_app(service: Service, max_body: int) -> web.Application:
+def create_app(service: Service, max_body: int, primary: Primary | None = None
+               ) -> web.Application:
+    """The API over `service`. Given `primary` (the primary process, on its private
+    socket), the app of a serving process: GET/HEAD /v1/files, POST /v1/resolve and /healthz are
+    answered here, from a read-only store; every other request goes to the primary
+    (`forward`), which owns writes, the sweep and the metrics of all processes."""
     app = web.Application(client_max_size=max_body, middlewares=[_errors, _guard])
     app[SERVICE] = service
     w = service.work
     r = app.router
+    if primary is not None:
+        r.add_post("/v1/resolve", _route("read", w["resolve"], resolve))
+        r.add_get("/v1/files", _route("read", w["serve"], files))
+        r.add_get("/healthz", healthz)
+        app[PRIMARY] = primary
+        app.on_cleanup.append(lambda _: primary.close())
+        # Admitted here as well: what waits on the primary holds a connection and its
+        # buffers in this process. The token is the primary's to check.
+        forwarding = WorkClass("forward", FORWARD, 1, service.metrics)
+        r.add_route("*", "/{tail:.*}", _route(None, forwarding, forward))
+        return app
     r.add_post("/v1/recycle", _route("write", w["recycle"], recycle))
     r.add_post(
         "/v1/transactions/{txid}/{action:commit|abort|renew}",
@@ -348,6 +381,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.match_info.route.resource
         else "other"
     )
+    if route == _FORWARDED:
+        # The primary answers it and counts it (the metrics are shared): counted here
+        # too, every forwarded request would count twice.
+        return await _answer(request, handler, route)
     with m.in_flight.track_inprogress(), m.request_duration.labels(route).time():
         resp = await _answer(request, handler, route)
     m.http_requests.labels(route, str(resp.status)).inc()
@@ -874,6 +911,92 @@ async def fsck(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     report = await _run(request, svc.fsck, _query(request, schemas.FsckQuery).repair)
     return _json(report.to_json())
+
+
+class Primary:
+    """The primary process as a serving process reaches it: HTTP over its private Unix
+    socket. Idle connections are let go well before the primary's keep-alive timeout
+    would close them, so a request is never sent on one the primary is closing."""
+
+    def __init__(self, path: str, keepalive: float) -> None:
+        self.path = path
+        self.keepalive = keepalive
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:  # made on the event loop, at the first request
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(
+                    self.path, limit=0, keepalive_timeout=self.keepalive / 3
+                ),
+                # A sweep or an fsck answers after hours: the primary's own timeouts bound
+                # what it waits for, not this client.
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                auto_decompress=False,
+                skip_auto_headers=(hdrs.USER_AGENT, hdrs.ACCEPT, hdrs.ACCEPT_ENCODING,
+                                   hdrs.CONTENT_TYPE),
+            )
+        return self._session
+
+    @staticmethod
+    def url(rel: URL) -> URL:
+        """`rel` (path and query as the client spelled them) on the primary's socket."""
+        return URL.build(scheme="http", host="primary", path=rel.raw_path,
+                         query_string=rel.raw_query_string, encoded=True)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+PRIMARY = web.AppKey("primary", Primary)
+# Headers about one connection, not the request: never passed on (RFC 9110 7.6.1).
+_HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "transfer-encoding", "upgrade",
+})
+
+
+def _end_to_end(headers: Any) -> CIMultiDict[str]:
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _HOP_BY_HOP)
+
+
+async def forward(request: web.Request) -> web.StreamResponse:
+    """A request a serving process does not answer itself, passed to the primary as it
+    came (method, path and query, headers, the body as it arrives), and the primary's
+    answer passed back as it comes. An answer cut short is cut short here too (the
+    connection is aborted), never completed."""
+    upstream = request.app[PRIMARY]
+    body = request.content.iter_chunked(1 << 16) if request.body_exists else None
+    try:
+        answer = await upstream.session().request(
+            request.method, upstream.url(request.rel_url), headers=_end_to_end(request.headers),
+            data=body, allow_redirects=False,
+        )
+    except aiohttp.ClientConnectorError as e:
+        raise DaemonUnavailable(
+            "the daemon's primary process is not answering",
+            f"{e.strerror or e}: nothing was done; retry in {RETRY_AFTER} s",
+        ) from None
+    except aiohttp.ClientError as e:
+        raise DaemonUnavailable(
+            "the daemon's primary process went away while asked",
+            f"{type(e).__name__}: {e}; whether it did what was asked is not known: look"
+            " (GET /v1/events, /v1/entries) before asking again",
+        ) from None
+    async with answer:
+        resp = web.StreamResponse(status=answer.status, reason=answer.reason,
+                                  headers=_end_to_end(answer.headers))
+        await resp.prepare(request)
+        try:
+            async for chunk in answer.content.iter_any():
+                await resp.write(chunk)
+        except aiohttp.ClientError:
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("the primary's answer was cut short") from None
+        await resp.write_eof()
+    return resp
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import resource
+import shutil
 import signal
 import socket
 import ssl
@@ -31,6 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from cmroot import config as cfg
 from cmroot.exceptions import ConfigError, Conflict
+from cmroot.metrics import share_between_processes, shared_registry
 from cmroot.server.app import (
     LIMITS,
     Handler,
@@ -40,6 +42,7 @@ from cmroot.server.app import (
 )
 from cmroot.server.auth import Tokens, unix_peer_uid
 from cmroot.server.systemd import Notifier
+from cmroot.server.workers import METRICS_DIR, PRIMARY_SOCKET, Workers
 from cmroot.store import Store
 
 log = logging.getLogger("cmroot.server")
@@ -98,13 +101,25 @@ def serve(config: cfg.Config, host: str | None = None, port: int | None = None) 
     _ensure_default_dirs(config)
     notifier = Notifier()
     store = _open_store(config, notifier)
-    service = Service(store, tokens, CollectorRegistry(),
-                      send_timeout=config.server.send_timeout)
+    rundir = None
     try:
-        asyncio.run(_run(config, service, notifier))
+        registry = CollectorRegistry()
+        if server.processes > 1:
+            rundir = tempfile.mkdtemp(prefix="cmroot-serve-")  # 0700: the daemon's alone
+            metrics_dir = os.path.join(rundir, METRICS_DIR)
+            os.mkdir(metrics_dir)
+            share_between_processes(metrics_dir)
+            registry = shared_registry(metrics_dir)
+        service = Service(store, tokens, registry, send_timeout=config.server.send_timeout,
+                          shared=rundir is not None)
+        try:
+            asyncio.run(_run(config, service, notifier, rundir))
+        finally:
+            service.close()
     finally:
-        service.close()
         store.close()
+        if rundir is not None:
+            shutil.rmtree(rundir, ignore_errors=True)
     return 0
 
 
@@ -570,9 +585,13 @@ def _scheduled_sweep(service: Service) -> None:
         pass  # stopped for shutdown, or logged and counted by Service.gc: the next one retries
 
 
-async def _run(config: cfg.Config, service: Service, notifier: Notifier) -> None:
+async def _listen(
+    config: cfg.Config, app: web.Application, reuse_port: bool
+) -> tuple[web.AppRunner, _Listener, asyncio.Server, ssl.SSLContext | None]:
+    """`app` set up and listening on server.host:port, under the connection cap. With
+    `reuse_port`, other processes of this daemon listen on the same address (the kernel
+    spreads connections over them)."""
     loop = asyncio.get_running_loop()
-    app = create_app(service, config.server.max_body)
     options: dict[str, Any] = {
         "access_log": None,
         # A request path may be 4096 characters (warehouse.MAX_PATH); percent-encoded in
@@ -600,7 +619,35 @@ async def _run(config: cfg.Config, service: Service, notifier: Notifier) -> None
         ssl=tls,
         backlog=BACKLOG,
         reuse_address=True,
+        reuse_port=reuse_port or None,
     )
+    return runner, listener, server, tls
+
+
+async def _run(
+    config: cfg.Config, service: Service, notifier: Notifier, rundir: str | None
+) -> None:
+    """The primary process. Given `rundir` (server.processes > 1), it also listens on a
+    private socket there for what the serving processes pass on, and runs them."""
+    loop = asyncio.get_running_loop()
+    # First: a SIGTERM while the rest starts (the serving processes take a second) is a
+    # stop once started, not the default death.
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    hup = asyncio.Event()  # a reload asked for meanwhile is made once all has started
+    loop.add_signal_handler(signal.SIGHUP, hup.set)
+    app = create_app(service, config.server.max_body)
+    runner, listener, server, tls = await _listen(config, app, rundir is not None)
+    workers: Workers | None = None
+    inner: asyncio.AbstractServer | None = None
+    if rundir is not None:
+        primary = os.path.join(rundir, PRIMARY_SOCKET)
+        inner = await loop.create_unix_server(listener, path=primary, backlog=BACKLOG)
+        os.chmod(primary, 0o600)
+        port = server.sockets[0].getsockname()[1]
+        workers = Workers(config, port, primary, config.server.processes - 1)
+        await workers.start()
     gate: _UnixGate | None = None
     unix: asyncio.AbstractServer | None = None
     socket_path = config.server.socket
@@ -619,16 +666,16 @@ async def _run(config: cfg.Config, service: Service, notifier: Notifier) -> None
             "config": config.source,
             "auth": "tokens" if service.tokens.enabled else "loopback-open",
             "max_connections": listener.cap,
+            "processes": config.server.processes,
         },
     )
     notifier.notify("READY=1\nSTATUS=serving")
 
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(
-        signal.SIGHUP, lambda: _reload(config, service, sched, notifier, tls, gate)
+        signal.SIGHUP, lambda: _reload(config, service, sched, notifier, tls, gate, workers)
     )
+    if hup.is_set():
+        _reload(config, service, sched, notifier, tls, gate, workers)
     watchdog = (
         asyncio.create_task(_watchdog(notifier, notifier.watchdog_interval))
         if notifier.watchdog_interval
@@ -643,6 +690,12 @@ async def _run(config: cfg.Config, service: Service, notifier: Notifier) -> None
     if unix is not None:
         unix.close()
         _unlink_if_ours(socket_path, ident)
+    if workers is not None:
+        # They drain first, passing on what their clients still ask meanwhile: the
+        # private socket stays open until the last of them has exited.
+        await workers.stop(SHUTDOWN_GRACE + SHUTDOWN_ABORT)
+    if inner is not None:
+        inner.close()
     service.stopping.set()  # a running sweep ends after its current batch
     # The scheduler is stopped from a thread: waiting for its sweep on the event loop
     # would freeze every in-flight request behind it.
@@ -691,10 +744,12 @@ def _reload(
     notifier: Notifier,
     tls: ssl.SSLContext | None,
     gate: _UnixGate | None,
+    workers: Workers | None = None,
 ) -> None:
     """SIGHUP: re-read the config file; tokens, retention settings, TLS certificates and
-    server.socket_uids take effect now (the socket's path and the listen address at a
-    restart). A bad file is logged and ignored: the daemon keeps its settings."""
+    server.socket_uids take effect now (the socket's path, the listen address and
+    server.processes at a restart); serving processes reload alike. A bad file is
+    logged and ignored: the daemon keeps its settings."""
     notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
     try:
         fresh = cfg.load(None if config.source == "<defaults>" else config.source)
@@ -718,6 +773,8 @@ def _reload(
             )
         )
         sched.reschedule_job("sweep", trigger=_trigger(fresh.store.interval))
+        if workers is not None:
+            workers.reload()
         log.info("reloaded", extra={"config": config.source, "tokens": len(fresh.auth.tokens)})
     except Exception as e:
         log.error("reload failed; keeping the current settings", extra={"error": str(e)})

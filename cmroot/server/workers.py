@@ -1,0 +1,238 @@
+"""Serving processes (server.processes > 1). The primary process owns the store: writes,
+recovery, the sweep, systemd. Beside it, serving processes listen on the same address
+(SO_REUSEPORT: the kernel spreads connections over all of them) and answer GET/HEAD
+/v1/files and POST /v1/resolve from a read-only view of the store, with the same checks
+as the primary (the bytes served are the bytes verified); any other request they pass to
+the primary over its private socket. Their metrics land in files the primary's /metrics
+adds up. The primary starts them once the store is open, starts again one that dies,
+passes SIGHUP on, and stops them first at shutdown; killed, it takes them with it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+from contextlib import suppress
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import mark_process_dead
+
+from cmroot import config as cfg
+from cmroot.exceptions import CmrootError
+from cmroot.logs import setup_logging
+from cmroot.metrics import share_between_processes
+
+if TYPE_CHECKING:
+    import ssl
+
+    from cmroot.server.app import Service
+
+log = logging.getLogger("cmroot.server")
+PRIMARY_SOCKET = "primary.sock"  # in the primary's private run directory
+METRICS_DIR = "metrics"
+READY = b"ready\n"  # what a serving process writes on its stdout once it listens
+START_TIMEOUT = 60.0  # seconds a serving process has to open the store and listen
+# A serving process that dies is started again after a pause that doubles from the first
+# to the last, and starts from the first again once one has lived for RESTART_RESET.
+RESTART_PAUSES = (1.0, 30.0)
+RESTART_RESET = 60.0
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class Workers:
+    """The primary's serving processes: `count` of them, each kept running until `stop`."""
+
+    def __init__(self, config: cfg.Config, port: int, primary: str, count: int) -> None:
+        self.config = config
+        self.port = port
+        self.primary = primary
+        self.count = count
+        self._procs: dict[int, asyncio.subprocess.Process] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+
+    async def start(self) -> None:
+        """Start them all and wait until each listens (or failed to: it is started
+        again in the background, the primary serves meanwhile)."""
+        started = [asyncio.get_running_loop().create_future() for _ in range(self.count)]
+        self._tasks = [
+            asyncio.create_task(self._keep(slot, started[slot])) for slot in range(self.count)
+        ]
+        await asyncio.wait(started)
+
+    def reload(self) -> None:
+        """Pass SIGHUP on: each re-reads the config (tokens, TLS certificates)."""
+        for proc in self._procs.values():
+            with suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGHUP)
+
+    async def stop(self, grace: float) -> None:
+        """SIGTERM to each, then wait for them to drain; any still running after `grace`
+        seconds is killed."""
+        self._stopping = True
+        for proc in self._procs.values():
+            with suppress(ProcessLookupError):
+                proc.terminate()
+        waits = [asyncio.create_task(p.wait()) for p in self._procs.values()]
+        if waits:
+            _, late = await asyncio.wait(waits, timeout=grace)
+            for proc in self._procs.values():
+                if proc.returncode is None:
+                    log.warning("a serving process did not stop in time: killed",
+                                extra={"pid": proc.pid, "grace": grace})
+                    with suppress(ProcessLookupError):
+                        proc.kill()
+            if late:
+                await asyncio.wait(late)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _keep(self, slot: int, started: asyncio.Future[None]) -> None:
+        pause = RESTART_PAUSES[0]
+        while not self._stopping:
+            began = time.monotonic()
+            proc = await self._spawn()
+            self._procs[slot] = proc
+            await self._ready(proc)
+            if not started.done():
+                started.set_result(None)
+            code = await proc.wait()
+            _forget(proc.pid)
+            if self._stopping:
+                return
+            log.error("a serving process exited: starting another",
+                      extra={"pid": proc.pid, "code": code, "pause": pause})
+            if time.monotonic() - began >= RESTART_RESET:
+                pause = RESTART_PAUSES[0]
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, RESTART_PAUSES[1])
+
+    async def _spawn(self) -> asyncio.subprocess.Process:
+        source = "" if self.config.source == "<defaults>" else self.config.source
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "cmroot.server.workers", "--config", source,
+            "--host", self.config.server.host, "--port", str(self.port),
+            "--primary", self.primary, "--parent", str(os.getpid()),
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        )
+
+    async def _ready(self, proc: asyncio.subprocess.Process) -> None:
+        """Wait for the process to say it listens; one that does not in time is killed
+        (and, like any that exits, started again)."""
+        assert proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT)
+        except asyncio.TimeoutError:
+            line = b""
+        if line != READY:
+            log.error("a serving process did not start", extra={"pid": proc.pid})
+            with suppress(ProcessLookupError):
+                proc.kill()
+
+
+def _forget(pid: int) -> None:
+    """Its live gauges (requests in flight, queue depths) no longer count."""
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if directory:
+        mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+
+
+# -- a serving process ---------------------------------------------------------------------
+
+async def _serve(config: cfg.Config, primary: str) -> None:
+    # Imported here: main imports this module for Workers.
+    from cmroot.server import main
+    from cmroot.server.app import Primary, Service, create_app
+    from cmroot.store import Store
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: None)  # no death while it starts: the
+    # config is read after this
+    store = await asyncio.to_thread(Store.open, config, readonly=True)
+    # Read-only, except for the checksums of originals it hashed: a pure cache (keyed by
+    # path and identity), and without it every resolve here would hash them again.
+    store.resolver.cache_writes = True
+    service = Service(store, main._tokens(config.auth.tokens, config.server.host),
+                      CollectorRegistry(), send_timeout=config.server.send_timeout,
+                      shared=True)
+    try:
+        app = create_app(service, config.server.max_body,
+                         Primary(primary, config.server.keepalive_timeout))
+        runner, listener, server, tls = await main._listen(config, app, reuse_port=True)
+        sys.stdout.buffer.write(READY)
+        sys.stdout.buffer.flush()
+        loop.add_signal_handler(signal.SIGHUP, lambda: _reload(config, service, tls))
+        writers = asyncio.create_task(listener.watch_writers())
+        await stop.wait()
+        server.close()
+        await main._drain(runner, listener)
+        writers.cancel()
+    finally:
+        await asyncio.to_thread(service.close)
+        store.close()
+
+
+def _reload(config: cfg.Config, service: Service, tls: ssl.SSLContext | None) -> None:
+    """SIGHUP from the primary: the tokens and TLS certificates of the config file now.
+    A bad file is logged and ignored, as the primary does."""
+    from cmroot.server import main
+
+    try:
+        fresh = cfg.load(None if config.source == "<defaults>" else config.source)
+        tokens = main._tokens(fresh.auth.tokens, config.server.host)
+        if tls is not None:
+            main._reload_tls(tls, fresh.server)
+        service.tokens = tokens
+    except Exception as e:
+        log.error("reload failed; keeping the current settings", extra={"error": str(e)})
+
+
+def _die_with(primary: int) -> None:
+    """Be killed as soon as the primary is (kill -9: it could not stop us first). Left
+    running, the process would hold the address with nobody to pass writes to, beside
+    the next primary. It holds nothing that needs a clean end: a read it was answering
+    is cut, as the whole daemon's would be."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != primary:  # gone before the call above
+        os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="cmroot.server.workers",
+                                description="a serving process of `cmroot serve`")
+    p.add_argument("--config", required=True)
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--primary", required=True)
+    p.add_argument("--parent", type=int, required=True)
+    args = p.parse_args(argv)
+    _die_with(args.parent)
+    setup_logging()
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if directory:
+        share_between_processes(directory)
+    try:
+        config = cfg.load(args.config or None)
+        config = replace(config, server=replace(config.server, host=args.host, port=args.port))
+        asyncio.run(_serve(config, args.primary))
+    except CmrootError as e:
+        log.error("serving process failed", extra={"error": str(e)})
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
