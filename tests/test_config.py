@@ -55,6 +55,16 @@ def test_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert c.auth.tokens == ()
     assert (c.server.keepalive_timeout, c.server.body_timeout, c.server.send_timeout) == (
         15, 15, 30)
+    assert c.server.processes == 1
+
+
+def test_server_processes(tmp_path: Path, roots: dict[str, str]) -> None:
+    f = write(tmp_path / "c.toml", "[server]\nprocesses = 4\n")
+    assert config.load(f, env=roots).server.processes == 4
+    assert config.load(f, env={**roots, "CMROOT_SERVER_PROCESSES": "2"}).server.processes == 2
+    for bad in ('"many"', "0", "-1", "100"):
+        msg = refusal(write(tmp_path / "bad.toml", f"[server]\nprocesses = {bad}\n"), env=roots)
+        assert "server.processes" in msg, msg
 
 
 def test_server_timeouts(tmp_path: Path, roots: dict[str, str]) -> None:
@@ -360,6 +370,9 @@ def test_unknown_env_key_is_named(roots: dict[str, str]) -> None:
         ("CMROOT_STORE_ON_EXPIRE", "shred", "store.on_expire"),
         ("CMROOT_SERVER_PORT", "http", "CMROOT_SERVER_PORT"),
         ("CMROOT_SERVER_PORT", "70000", "server.port"),
+        ("CMROOT_SERVER_PROCESSES", "two", "CMROOT_SERVER_PROCESSES"),
+        ("CMROOT_SERVER_PROCESSES", "0", "server.processes"),
+        ("CMROOT_SERVER_PROCESSES", "65", "server.processes"),
         ("CMROOT_INDEX_PATH", "rel/index.sqlite", "index.path"),
         ("CMROOT_STORE_WAREHOUSE_ROOTS", "", "store.warehouse_roots"),
         ("CMROOT_STORE_ROOT", "", "store.root"),

@@ -9,6 +9,9 @@ Rows (full scale):
              from the store's objects dir. wrk -t1 -c1 -d5s on both; MB/s (10^6 bytes).
   get-small  GET of 64 KiB objects, wrk -t2 -c16 -d5s, a Lua script picking among 1,000
              distinct recycled objects (same pseudo-random sequence on both sides); req/s.
+  processes  get-small's load on a second daemon with server.processes = 2 (on a `cp -a`
+             copy of the store) vs the one-process daemon; the goal is growth (> 1x).
+  get-small-2  the same two-process runs vs nginx (>= 0.5x).
   resolve    POST /v1/resolve, 5 batches of 10,000 pairs (half still at their original
              path, half recycled), through `cmroot.client.Client`, vs the same batches
              resolved in-process by `Store.resolve` on the same index; pairs/s. The goal is
@@ -78,7 +81,9 @@ from .harness import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-BENCHMARKS = ("get-large", "get-small", "resolve", "recycle", "rss")
+BENCHMARKS = ("get-large", "get-small", "processes", "get-small-2", "resolve", "recycle", "rss")
+# The rows measured against a second daemon with server.processes = 2.
+TWO_PROCESS_ROWS = ("processes", "get-small-2")
 NGINX = "/usr/sbin/nginx"
 HINTS = {
     "nginx": "nginx not found: install the Debian/Ubuntu package `nginx` (apt-get install nginx)",
@@ -212,10 +217,24 @@ def stop_process(proc: subprocess.Popen[bytes], what: str, grace: float = 60.0) 
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, from /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """utime + stime of a process and its children (a daemon's serving processes), from
+    /proc/<pid>/stat."""
+    total = 0
+    for one in (pid, *child_pids(pid)):
+        with suppress(OSError), open(f"/proc/{one}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with suppress(OSError), open(f"/proc/{name}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(name))
+    return out
 
 
 def proc_memory(pid: int) -> dict[str, int]:
@@ -317,8 +336,10 @@ def fetch(port: int, url: str, expect_checksum: str | None = None) -> tuple[int,
 class Daemon:
     """`cmroot serve` on a store, as a subprocess; its log goes to <work>/<name>.log."""
 
-    def __init__(self, work: Path, name: str, store_root: Path, warehouse: Path) -> None:
+    def __init__(self, work: Path, name: str, store_root: Path, warehouse: Path,
+                 processes: int = 1) -> None:
         self.name = name
+        self.processes = processes
         self.port = free_port()
         self.config = write_config(work / f"{name}.toml", store_root, warehouse, self.port)
         self.log_path = work / f"{name}.log"
@@ -334,6 +355,7 @@ class Daemon:
         """Start and wait for /readyz; returns the seconds it took."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("CMROOT_")}
         env.pop("AIOHTTP_NOSENDFILE", None)
+        env["CMROOT_SERVER_PROCESSES"] = str(self.processes)
         t = time.perf_counter()
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(
@@ -352,7 +374,7 @@ class Daemon:
                 conn.request("GET", "/readyz")
                 status = conn.getresponse().status
                 conn.close()
-                if status == 200:
+                if status == 200 and len(child_pids(self.proc.pid)) == self.processes - 1:
                     return time.perf_counter() - t
             except OSError:
                 pass
@@ -374,8 +396,9 @@ class Daemon:
 
 
 @contextmanager
-def running_daemon(work: Path, name: str, store_root: Path, warehouse: Path) -> Iterator[Daemon]:
-    d = Daemon(work, name, store_root, warehouse)
+def running_daemon(work: Path, name: str, store_root: Path, warehouse: Path,
+                   processes: int = 1) -> Iterator[Daemon]:
+    d = Daemon(work, name, store_root, warehouse, processes)
     try:
         took = d.start()
         log(f"cmroot serve ({name}) ready on port {d.port} (pid {d.pid}) in {took:.2f} s")
@@ -535,7 +558,7 @@ def prepare_main(work: Path, warehouse: Path, cfg: Config, s: Scale, names: Sequ
         [data.large] = recycle_in_process(cfg, [files[0][0]], "large")
         if data.large[1] != files[0][1]:
             raise BenchError("the store's checksum of the large file differs from xxhash's")
-    if "get-small" in names:
+    if {"get-small", *TWO_PROCESS_ROWS} & set(names):
         log(f"get-small: generating {s.small_objects:,} x {human_size(s.small_size)} files")
         files = write_random_files(warehouse / "db" / "small", s.small_objects, s.small_size, 10)
         data.small = recycle_in_process(cfg, [str(warehouse / "db" / "small")], "small")
@@ -627,6 +650,42 @@ def bench_get_small(work: Path, row: Row, daemon: Daemon, nginx: tuple[int, int]
         alternate(rep, [lambda rep=rep: side("cmroot", rep), lambda rep=rep: side("nginx", rep)])
     row.notes.append(server_cpu_note(row.name, cpu))
     return row
+
+
+def bench_processes(work: Path, rows: tuple[Row, Row], one: Daemon, two: Daemon,
+                    nginx: tuple[int, int], data: MainData, s: Scale, reps: int) -> None:
+    """get-small's load against a daemon with server.processes = 2 (on a copy of the
+    store), beside the same daemon with one process and beside nginx, in turn: `rows` are
+    (2 processes vs 1, 2 processes vs nginx)."""
+    scaling, vs_nginx = rows
+    for path, checksum in data.small[:5]:
+        fetch(two.port, files_url(path, checksum), checksum)
+    cm_script = wrk_script(work / "small-cmroot.lua", [files_url(p, c) for p, c in data.small])
+    ng_script = wrk_script(work / "small-nginx.lua", [object_url(c) for _, c in data.small])
+    first_cm = files_url(*data.small[0])
+    first_ng = object_url(data.small[0][1])
+
+    def side(which: str, rep: int) -> None:
+        if which == "nginx":
+            r = run_wrk(nginx[0], first_ng, ng_script, 2, 16, s.wrk_seconds, nginx[1])
+            vs_nginx.baseline.append(r.req_per_s)
+        else:
+            d = two if which == "2 processes" else one
+            r = run_wrk(d.port, first_cm, cm_script, 2, 16, s.wrk_seconds, d.pid)
+            if d is two:
+                scaling.cmroot.append(r.req_per_s)
+                vs_nginx.cmroot.append(r.req_per_s)
+            else:
+                scaling.baseline.append(r.req_per_s)
+        log(f"processes: rep {rep + 1}: {which} {r.req_per_s:,.0f} req/s "
+            f"(server CPU {r.cpu / r.seconds:.0%} of one core)")
+
+    for rep in range(reps):
+        alternate(rep, [lambda rep=rep, w=w: side(w, rep)
+                        for w in ("2 processes", "1 process", "nginx")])
+    scaling.notes.append(
+        f"processes: {os.cpu_count()} CPUs shared by the daemon's processes and wrk's 2 threads"
+    )
 
 
 def count_statuses(results: Sequence[Any]) -> dict[str, int]:
@@ -883,6 +942,16 @@ def make_rows(s: Scale) -> dict[str, Row]:
             f"(wrk -t2 -c16 {d})",
             "nginx sendfile", "req/s", True, "ratio", 0.5, ">= 0.5x nginx",
         ),
+        "processes": Row(
+            "processes",
+            f"GET {human_size(s.small_size)} objects (as get-small), server.processes = 2",
+            "server.processes = 1", "req/s", True, "ratio", 1.0, "> 1x (grows with processes)",
+        ),
+        "get-small-2": Row(
+            "get-small-2",
+            f"GET {human_size(s.small_size)} objects (as get-small), server.processes = 2",
+            "nginx sendfile", "req/s", True, "ratio", 0.5, ">= 0.5x nginx",
+        ),
         "resolve": Row(
             "resolve", f"POST /v1/resolve, batches of {s.resolve_batch:,} pairs",
             "Store.resolve in-process", "pairs/s", True, "absolute", 200_000,
@@ -927,7 +996,7 @@ def run_benchmarks(
                 daemon = stack.enter_context(running_daemon(work, "daemon", store_root,
                                                              warehouse))
                 nginx = None
-                if "get-large" in names or "get-small" in names:
+                if {"get-large", "get-small", *TWO_PROCESS_ROWS} & set(names):
                     nginx = stack.enter_context(running_nginx(work, store_root / "objects"))
                 if "get-large" in names:
                     assert nginx is not None
@@ -939,6 +1008,15 @@ def run_benchmarks(
                     rows["get-small"] = bench_get_small(
                         work, all_rows["get-small"], daemon, nginx, data, s, reps
                     )
+                if set(TWO_PROCESS_ROWS) & set(names):
+                    assert nginx is not None
+                    # Its own copy of the store: one primary holds a store's lock.
+                    run(["cp", "-a", str(store_root), str(work / "store-2")])
+                    two = stack.enter_context(running_daemon(
+                        work, "daemon-2", work / "store-2", warehouse, processes=2))
+                    pair = (all_rows["processes"], all_rows["get-small-2"])
+                    bench_processes(work, pair, daemon, two, nginx, data, s, reps)
+                    rows.update((r.name, r) for r in pair if r.name in names)
                 if "resolve" in names:
                     rows["resolve"] = bench_resolve(all_rows["resolve"], daemon, cfg, data, reps)
                 if "recycle" in names:
