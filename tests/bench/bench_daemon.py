@@ -374,12 +374,20 @@ class Daemon:
                 conn.request("GET", "/readyz")
                 status = conn.getresponse().status
                 conn.close()
-                if status == 200 and len(child_pids(self.proc.pid)) == self.processes - 1:
+                if status == 200 and self.serving():
                     return time.perf_counter() - t
             except OSError:
                 pass
             time.sleep(0.05)
         raise BenchError(f"cmroot serve ({self.name}) not ready after {timeout:.0f} s")
+
+    def serving(self) -> bool:
+        """Whether it says it serves: then its serving processes listen too (before, wrk's
+        connections would all land on the primary, and keep to it for the whole run)."""
+        try:
+            return '"msg": "serving"' in self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
 
     def log_tail(self) -> str:
         try:
