@@ -381,7 +381,7 @@ def _timeout(srv: dict[str, Any], key: str) -> float:
 
 
 # sun_path holds 108 bytes with its terminating NUL.
-_MAX_SOCKET_PATH = 107
+MAX_SOCKET_PATH = 107
 
 
 def _socket_path(value: object) -> str:
@@ -396,10 +396,10 @@ def _socket_path(value: object) -> str:
             "server.socket must be absolute", f"{value!r}: write a full path such as "
             "/run/cmroot/cmroot.sock"
         )
-    if len(os.fsencode(value)) > _MAX_SOCKET_PATH:
+    if len(os.fsencode(value)) > MAX_SOCKET_PATH:
         raise ConfigError(
             "server.socket is too long",
-            f"{value[:200]!r}: a Unix socket path holds at most {_MAX_SOCKET_PATH} bytes; "
+            f"{value[:200]!r}: a Unix socket path holds at most {MAX_SOCKET_PATH} bytes; "
             "use a shorter one such as /run/cmroot/cmroot.sock",
         )
     return os.path.normpath(value)

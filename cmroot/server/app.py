@@ -15,7 +15,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeVar
 import aiohttp
 import msgspec
 from aiohttp import hdrs, web
+from aiohttp.web_urldispatcher import _default_expect_handler
 from multidict import CIMultiDict
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -160,11 +161,13 @@ class Service:
         workers: int | None = None,
         send_timeout: float = 30.0,
         shared: bool = False,
+        classes: Iterable[str] = tuple(LIMITS),
     ) -> None:
         """`workers`, when given, is every class's thread count (small in-process tests).
         `registry` is what GET /metrics reports; `shared`: the daemon's processes share
         their metrics (metrics.share_between_processes), and `registry` reads them back
-        from their files (metrics.shared_registry)."""
+        from their files (metrics.shared_registry). `classes`: the classes of work it
+        admits (a serving process has no recycle class, and must not report its limit)."""
         self.store = store
         self.send_timeout = send_timeout  # server.send_timeout
         self.tokens = tokens
@@ -178,8 +181,8 @@ class Service:
         self.metrics = Metrics(CollectorRegistry() if shared else registry)
         registry.register(StoreCollector(store))
         self.work = {
-            name: WorkClass(name, limit, workers or limit.workers, self.metrics)
-            for name, limit in LIMITS.items()
+            name: WorkClass(name, LIMITS[name], workers or LIMITS[name].workers, self.metrics)
+            for name in classes
         }
         self._gc_lock = threading.Lock()
         self._fsck_lock = threading.Lock()
@@ -287,9 +290,9 @@ def _close_result(cf: Future[Verified]) -> None:
 
 
 SERVICE = web.AppKey("service", Service)
-# A serving process's route for everything it passes to the primary (as its canonical
-# name: the metrics' route label), and how many such requests it holds at once.
-_FORWARDED = "/{tail}"
+# A serving process's route for paths the API has not (the primary answers 404 or 405),
+# and how many requests it holds at once while the primary answers them.
+_UNKNOWN = "/{tail:.*}"
 FORWARD = Limit(workers=1, admitted=256)
 WORK = web.RequestKey("work", WorkClass)  # the class a request was admitted to
 INLINE_MAX = 1 << 20  # files up to this size are served from memory, hashed as read
@@ -321,46 +324,72 @@ def _file_headers(checksum: str, status: str) -> dict[str, str]:
 def create_app(service: Service, max_body: int, primary: Primary | None = None
                ) -> web.Application:
     """The API over `service`. Given `primary` (the primary process, on its private
-    socket), the app of a serving process: GET/HEAD /v1/files, POST /v1/resolve and /healthz are
-    answered here, from a read-only store; every other request goes to the primary
-    (`forward`), which owns writes, the sweep and the metrics of all processes."""
+    socket), the app of a serving process: GET/HEAD /v1/files, POST /v1/resolve and
+    /healthz are answered here, from a read-only store; every other request goes to the
+    primary (`forward`) under the same route, and the primary answers it: writes, the
+    sweep, the metrics of all processes."""
     app = web.Application(client_max_size=max_body, middlewares=[_errors, _guard])
     app[SERVICE] = service
-    w = service.work
     r = app.router
+    forwarder: Handler | None = None
     if primary is not None:
-        r.add_post("/v1/resolve", _route("read", w["resolve"], resolve))
-        r.add_get("/v1/files", _route("read", w["serve"], files))
-        r.add_get("/healthz", healthz)
         app[PRIMARY] = primary
         app.on_cleanup.append(lambda _: primary.close())
         # Admitted here as well: what waits on the primary holds a connection and its
         # buffers in this process. The token is the primary's to check.
         forwarding = WorkClass("forward", FORWARD, 1, service.metrics)
-        r.add_route("*", "/{tail:.*}", _route(None, forwarding, forward))
-        return app
-    r.add_post("/v1/recycle", _route("write", w["recycle"], recycle))
-    r.add_post(
-        "/v1/transactions/{txid}/{action:commit|abort|renew}",
-        _route("write", w["recycle"], transaction),
-    )
-    r.add_post("/v1/resolve", _route("read", w["resolve"], resolve))
-    # aiohttp answers HEAD from GET routes
-    r.add_get("/v1/files", _route("read", w["serve"], files))
-    r.add_get("/v1/entries", _route("read", w["other"], entries))
-    r.add_get("/v1/events", _route("admin", w["other"], events))
-    r.add_get("/v1/events/current", _route("admin", w["other"], current_event))
-    r.add_get("/v1/events/{id:[0-9]+}/files", _route("admin", w["other"], event_files))
-    r.add_post("/v1/events", _route("write", w["recycle"], add_event))
-    r.add_post("/v1/gc", _route("admin", w["maintenance"], gc))
-    r.add_post("/v1/fsck", _route("admin", w["maintenance"], fsck))
-    r.add_get("/v1/holds", _route("read", w["other"], holds))
-    r.add_post("/v1/holds", _route("admin", w["other"], add_hold))
-    r.add_delete("/v1/holds/{id}", _route("admin", w["other"], remove_hold))
-    r.add_get("/metrics", _route(None, w["probe"], metrics))
-    r.add_get("/healthz", healthz)  # on the event loop alone: no class to wait for
-    r.add_get("/readyz", _route(None, w["probe"], readyz))
+        forwarder = app[FORWARDER] = _route(None, forwarding, forward)
+    for method, path, scope, work, handler in _api():
+        if forwarder is not None and handler not in _LOCAL:
+            answer = forwarder
+        elif work is None:
+            answer = handler  # on the event loop alone: no class to wait for
+        else:
+            answer = _route(scope, service.work[work], handler)
+        if method == hdrs.METH_GET:  # aiohttp answers HEAD from GET routes
+            r.add_get(path, answer, expect_handler=_expect)
+        else:
+            r.add_route(method, path, answer, expect_handler=_expect)
+    if forwarder is not None:
+        r.add_route("*", _UNKNOWN, forwarder, expect_handler=_expect)
     return app
+
+
+def _api() -> list[tuple[str, str, str | None, str | None, Handler]]:
+    """Every route: method, path, token scope, class of work, handler."""
+    return [
+        ("POST", "/v1/recycle", "write", "recycle", recycle),
+        ("POST", "/v1/transactions/{txid}/{action:commit|abort|renew}", "write", "recycle",
+         transaction),
+        ("POST", "/v1/resolve", "read", "resolve", resolve),
+        ("GET", "/v1/files", "read", "serve", files),
+        ("GET", "/v1/entries", "read", "other", entries),
+        ("GET", "/v1/events", "admin", "other", events),
+        ("GET", "/v1/events/current", "admin", "other", current_event),
+        ("GET", "/v1/events/{id:[0-9]+}/files", "admin", "other", event_files),
+        ("POST", "/v1/events", "write", "recycle", add_event),
+        ("POST", "/v1/gc", "admin", "maintenance", gc),
+        ("POST", "/v1/fsck", "admin", "maintenance", fsck),
+        ("GET", "/v1/holds", "read", "other", holds),
+        ("POST", "/v1/holds", "admin", "other", add_hold),
+        ("DELETE", "/v1/holds/{id}", "admin", "other", remove_hold),
+        ("GET", "/metrics", None, "probe", metrics),
+        ("GET", "/healthz", None, None, healthz),
+        ("GET", "/readyz", None, "probe", readyz),
+    ]
+
+
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """An `Expect` header: 100-continue as aiohttp answers it, anything else a JSON 417
+    (aiohttp's own answer is plain text)."""
+    try:
+        await _default_expect_handler(request)
+    except web.HTTPExpectationFailed:
+        return error_response(
+            417, "expectation not supported",
+            f"Expect: {request.headers.get(hdrs.EXPECT, '')[:100]!r}: only 100-continue is",
+        )
+    return None
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -376,15 +405,16 @@ def error_response(status: int, message: str, detail: str = "") -> web.Response:
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     m = request.app[SERVICE].metrics
-    route = (
-        request.match_info.route.resource.canonical
-        if request.match_info.route.resource
-        else "other"
-    )
-    if route == _FORWARDED:
-        # The primary answers it and counts it (the metrics are shared): counted here
-        # too, every forwarded request would count twice.
-        return await _answer(request, handler, route)
+    resource = request.match_info.route.resource
+    route = "other" if resource is None or resource.canonical == _UNKNOWN else (
+        resource.canonical)
+    if request.match_info.route.handler is request.app.get(FORWARDER):
+        # Passed to the primary, which counts what it answers (the metrics are shared):
+        # counted here are only the answers made here, refusals before it was asked.
+        resp = await _answer(request, handler, route)
+        if not request.get(UPSTREAM, False):
+            m.http_requests.labels(route, str(resp.status)).inc()
+        return resp
     with m.in_flight.track_inprogress(), m.request_duration.labels(route).time():
         resp = await _answer(request, handler, route)
     m.http_requests.labels(route, str(resp.status)).inc()
@@ -950,6 +980,8 @@ class Primary:
 
 
 PRIMARY = web.AppKey("primary", Primary)
+FORWARDER: web.AppKey[Handler] = web.AppKey("forwarder")
+UPSTREAM = web.RequestKey("upstream", bool)  # the primary answered it (a serving process)
 # Headers about one connection, not the request: never passed on (RFC 9110 7.6.1).
 _HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
@@ -979,11 +1011,15 @@ async def forward(request: web.Request) -> web.StreamResponse:
             f"{e.strerror or e}: nothing was done; retry in {RETRY_AFTER} s",
         ) from None
     except aiohttp.ClientError as e:
+        cut = request.content.exception()
+        if cut is not None:
+            raise cut from None  # the client's body failed (408, or it hung up): not sent
         raise DaemonUnavailable(
             "the daemon's primary process went away while asked",
             f"{type(e).__name__}: {e}; whether it did what was asked is not known: look"
             " (GET /v1/events, /v1/entries) before asking again",
         ) from None
+    request[UPSTREAM] = True
     async with answer:
         resp = web.StreamResponse(status=answer.status, reason=answer.reason,
                                   headers=_end_to_end(answer.headers))
@@ -1018,3 +1054,6 @@ async def readyz(request: web.Request) -> web.Response:
         log.warning("not ready", extra={"part": e.part, "error": str(e)})
         return error_response(503, f"not ready: {e.part}", "see the daemon's log")
     return _json({"status": "ready"})
+
+
+_LOCAL = frozenset({resolve, files, healthz})  # what serving processes answer themselves

@@ -105,7 +105,7 @@ def serve(config: cfg.Config, host: str | None = None, port: int | None = None) 
     try:
         registry = CollectorRegistry()
         if server.processes > 1:
-            rundir = tempfile.mkdtemp(prefix="cmroot-serve-")  # 0700: the daemon's alone
+            rundir = _run_dir()
             metrics_dir = os.path.join(rundir, METRICS_DIR)
             os.mkdir(metrics_dir)
             share_between_processes(metrics_dir)
@@ -121,6 +121,19 @@ def serve(config: cfg.Config, host: str | None = None, port: int | None = None) 
         if rundir is not None:
             shutil.rmtree(rundir, ignore_errors=True)
     return 0
+
+
+def _run_dir() -> str:
+    """A directory of the primary's own (mode 0700) for its private socket, the shared
+    metrics and the config its serving processes run with: under systemd's
+    RuntimeDirectory when there is one, else the temp directory, else /tmp when that one
+    is too deep for a Unix socket's path."""
+    runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    for base in (runtime, tempfile.gettempdir()):
+        longest = os.path.join(base, "cmroot-serve-12345678", PRIMARY_SOCKET)
+        if base and len(os.fsencode(longest)) <= cfg.MAX_SOCKET_PATH:
+            return tempfile.mkdtemp(prefix="cmroot-serve-", dir=base)
+    return tempfile.mkdtemp(prefix="cmroot-serve-", dir="/tmp")
 
 
 def _open_store(config: cfg.Config, notifier: Notifier) -> Store:
@@ -646,7 +659,7 @@ async def _run(
         inner = await loop.create_unix_server(listener, path=primary, backlog=BACKLOG)
         os.chmod(primary, 0o600)
         port = server.sockets[0].getsockname()[1]
-        workers = Workers(config, port, primary, config.server.processes - 1)
+        workers = Workers(config, port, rundir, config.server.processes - 1)
         await workers.start()
     gate: _UnixGate | None = None
     unix: asyncio.AbstractServer | None = None
@@ -774,7 +787,9 @@ def _reload(
         )
         sched.reschedule_job("sweep", trigger=_trigger(fresh.store.interval))
         if workers is not None:
-            workers.reload()
+            # What the primary took of the file (the rest waits for a restart, as here).
+            workers.reload(replace(config, auth=fresh.auth, server=replace(
+                config.server, tls_cert=fresh.server.tls_cert, tls_key=fresh.server.tls_key)))
         log.info("reloaded", extra={"config": config.source, "tokens": len(fresh.auth.tokens)})
     except Exception as e:
         log.error("reload failed; keeping the current settings", extra={"error": str(e)})

@@ -21,6 +21,7 @@ from contextlib import suppress
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import mark_process_dead
 
@@ -35,8 +36,10 @@ if TYPE_CHECKING:
     from cmroot.server.app import Service
 
 log = logging.getLogger("cmroot.server")
-PRIMARY_SOCKET = "primary.sock"  # in the primary's private run directory
+# In the primary's private run directory: its socket, the shared metrics, its config.
+PRIMARY_SOCKET = "primary.sock"
 METRICS_DIR = "metrics"
+CONFIG_FILE = "config.json"
 READY = b"ready\n"  # what a serving process writes on its stdout once it listens
 START_TIMEOUT = 60.0  # seconds a serving process has to open the store and listen
 # A serving process that dies is started again after a pause that doubles from the first
@@ -47,16 +50,34 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class Workers:
-    """The primary's serving processes: `count` of them, each kept running until `stop`."""
+    """The primary's serving processes: `count` of them, each kept running until `stop`.
+    They take the primary's running config from a file in its run directory (`publish`),
+    never from the config file, which may have changed since the primary read it."""
 
-    def __init__(self, config: cfg.Config, port: int, primary: str, count: int) -> None:
-        self.config = config
+    def __init__(self, config: cfg.Config, port: int, rundir: str, count: int) -> None:
         self.port = port
-        self.primary = primary
+        self.rundir = rundir
         self.count = count
         self._procs: dict[int, asyncio.subprocess.Process] = {}
+        self._ready: set[int] = set()  # pids that said they listen
+        self._published = 0  # how many times the config was written
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        self.publish(config)
+
+    @property
+    def _config_path(self) -> str:
+        return os.path.join(self.rundir, CONFIG_FILE)
+
+    def publish(self, config: cfg.Config) -> None:
+        """Write the config the serving processes run with (atomically: a process
+        starting meanwhile reads the old one or the new one, whole)."""
+        config = replace(config, server=replace(config.server, port=self.port))
+        tmp = f"{self._config_path}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(msgspec.json.encode(config))
+        os.replace(tmp, self._config_path)
+        self._published += 1
 
     async def start(self) -> None:
         """Start them all and wait until each listens (or failed to: it is started
@@ -67,11 +88,16 @@ class Workers:
         ]
         await asyncio.wait(started)
 
-    def reload(self) -> None:
-        """Pass SIGHUP on: each re-reads the config (tokens, TLS certificates)."""
+    def reload(self, config: cfg.Config) -> None:
+        """Publish `config` and pass SIGHUP on to each process that listens: it reads the
+        config again (tokens, TLS certificates). One still starting may have read the
+        old one: it gets its SIGHUP once it listens (`_keep`), never before (a SIGHUP
+        before its handler is in place would kill it)."""
+        self.publish(config)
         for proc in self._procs.values():
-            with suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGHUP)
+            if proc.pid in self._ready:
+                with suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGHUP)
 
     async def stop(self, grace: float) -> None:
         """SIGTERM to each, then wait for them to drain; any still running after `grace`
@@ -99,12 +125,18 @@ class Workers:
         pause = RESTART_PAUSES[0]
         while not self._stopping:
             began = time.monotonic()
+            published = self._published
             proc = await self._spawn()
             self._procs[slot] = proc
-            await self._ready(proc)
+            if await self._listening(proc):
+                self._ready.add(proc.pid)
+                if self._published != published:  # reloaded while it started
+                    with suppress(ProcessLookupError):
+                        proc.send_signal(signal.SIGHUP)
             if not started.done():
                 started.set_result(None)
             code = await proc.wait()
+            self._ready.discard(proc.pid)
             _forget(proc.pid)
             if self._stopping:
                 return
@@ -116,26 +148,27 @@ class Workers:
             pause = min(pause * 2, RESTART_PAUSES[1])
 
     async def _spawn(self) -> asyncio.subprocess.Process:
-        source = "" if self.config.source == "<defaults>" else self.config.source
         return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "cmroot.server.workers", "--config", source,
-            "--host", self.config.server.host, "--port", str(self.port),
-            "--primary", self.primary, "--parent", str(os.getpid()),
+            sys.executable, "-m", "cmroot.server.workers", "--config", self._config_path,
+            "--primary", os.path.join(self.rundir, PRIMARY_SOCKET),
+            "--parent", str(os.getpid()),
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         )
 
-    async def _ready(self, proc: asyncio.subprocess.Process) -> None:
-        """Wait for the process to say it listens; one that does not in time is killed
+    async def _listening(self, proc: asyncio.subprocess.Process) -> bool:
+        """Whether the process says it listens in time; one that does not is killed
         (and, like any that exits, started again)."""
         assert proc.stdout is not None
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT)
         except asyncio.TimeoutError:
             line = b""
-        if line != READY:
-            log.error("a serving process did not start", extra={"pid": proc.pid})
-            with suppress(ProcessLookupError):
-                proc.kill()
+        if line == READY:
+            return True
+        log.error("a serving process did not start", extra={"pid": proc.pid})
+        with suppress(ProcessLookupError):
+            proc.kill()
+        return False
 
 
 def _forget(pid: int) -> None:
@@ -147,7 +180,7 @@ def _forget(pid: int) -> None:
 
 # -- a serving process ---------------------------------------------------------------------
 
-async def _serve(config: cfg.Config, primary: str) -> None:
+async def _serve(path: str, primary: str) -> None:
     # Imported here: main imports this module for Workers.
     from cmroot.server import main
     from cmroot.server.app import Primary, Service, create_app
@@ -157,22 +190,22 @@ async def _serve(config: cfg.Config, primary: str) -> None:
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: None)  # no death while it starts: the
-    # config is read after this
+    config = _read(path)
     store = await asyncio.to_thread(Store.open, config, readonly=True)
     # Read-only, except for the checksums of originals it hashed: a pure cache (keyed by
     # path and identity), and without it every resolve here would hash them again.
     store.resolver.cache_writes = True
     service = Service(store, main._tokens(config.auth.tokens, config.server.host),
                       CollectorRegistry(), send_timeout=config.server.send_timeout,
-                      shared=True)
+                      shared=True, classes=("serve", "resolve"))
     try:
         app = create_app(service, config.server.max_body,
                          Primary(primary, config.server.keepalive_timeout))
         runner, listener, server, tls = await main._listen(config, app, reuse_port=True)
+        # Before saying it listens: the primary passes SIGHUP on from then on.
+        loop.add_signal_handler(signal.SIGHUP, lambda: _reload(path, service, tls))
         sys.stdout.buffer.write(READY)
         sys.stdout.buffer.flush()
-        loop.add_signal_handler(signal.SIGHUP, lambda: _reload(config, service, tls))
         writers = asyncio.create_task(listener.watch_writers())
         await stop.wait()
         server.close()
@@ -183,14 +216,19 @@ async def _serve(config: cfg.Config, primary: str) -> None:
         store.close()
 
 
-def _reload(config: cfg.Config, service: Service, tls: ssl.SSLContext | None) -> None:
-    """SIGHUP from the primary: the tokens and TLS certificates of the config file now.
-    A bad file is logged and ignored, as the primary does."""
+def _read(path: str) -> cfg.Config:
+    """The config the primary published (Workers.publish)."""
+    with open(path, "rb") as f:
+        return msgspec.json.decode(f.read(), type=cfg.Config)
+
+
+def _reload(path: str, service: Service, tls: ssl.SSLContext | None) -> None:
+    """SIGHUP from the primary: the tokens and TLS certificates it runs with now."""
     from cmroot.server import main
 
     try:
-        fresh = cfg.load(None if config.source == "<defaults>" else config.source)
-        tokens = main._tokens(fresh.auth.tokens, config.server.host)
+        fresh = _read(path)
+        tokens = main._tokens(fresh.auth.tokens, fresh.server.host)
         if tls is not None:
             main._reload_tls(tls, fresh.server)
         service.tokens = tokens
@@ -213,10 +251,8 @@ def _die_with(primary: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cmroot.server.workers",
                                 description="a serving process of `cmroot serve`")
-    p.add_argument("--config", required=True)
-    p.add_argument("--host", required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--primary", required=True)
+    p.add_argument("--config", required=True, help="the config the primary published")
+    p.add_argument("--primary", required=True, help="the primary's private socket")
     p.add_argument("--parent", type=int, required=True)
     args = p.parse_args(argv)
     _die_with(args.parent)
@@ -225,9 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     if directory:
         share_between_processes(directory)
     try:
-        config = cfg.load(args.config or None)
-        config = replace(config, server=replace(config.server, host=args.host, port=args.port))
-        asyncio.run(_serve(config, args.primary))
+        asyncio.run(_serve(args.config, args.primary))
     except CmrootError as e:
         log.error("serving process failed", extra={"error": str(e)})
         return 1
