@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,54 +31,14 @@ from tests.server.cmroot_daemon import (
     toml_list,
     write_files,
 )
+from tests.server.test_processes import TWO, N, alive, children, counter, started, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
-N = 40  # fresh connections per check: all on one process with chance 2**-39
-TWO = {"CMROOT_SERVER_PROCESSES": "2"}
 SIGHUP_BIT = 1 << (signal.SIGHUP - 1)
 
 
 # -- helpers ----------------------------------------------------------------------------
-
-def children(pid: int) -> list[int]:
-    """Live processes whose parent is `pid`."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{name}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
-            out.append(int(name))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 30.0, every: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(every)
-
-
-def started(d: Daemon) -> int:
-    """Wait until the daemon says it serves; the pid of its serving process."""
-    wait_for(lambda: any(r.get("msg") == "serving" for r in d.log_records()))
-    assert d.proc is not None
-    [worker] = children(d.proc.pid)
-    return worker
-
 
 def fds(pid: int) -> list[str]:
     out = []
@@ -126,16 +86,6 @@ def restarted(d: Daemon, old: int) -> int:
 
     wait_for(new, 30, every=0.001)
     return found[0]
-
-
-def counter(metrics: str, name: str, **labels: str) -> float:
-    for line in metrics.splitlines():
-        m = re.fullmatch(r"([a-z_]+)(?:\{(.*)\})? (\S+)", line)
-        if m is None or m.group(1) != name:
-            continue
-        if dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")) == labels:
-            return float(m.group(3))
-    return 0.0
 
 
 def exchange(d: Daemon, data: bytes, timeout: float = 10.0) -> bytes:

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,12 +43,20 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def wait_for(check: object, timeout: float = 30.0) -> None:
-    assert callable(check)
+def alive(pid: int) -> bool:
+    """Running: neither gone nor a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 30.0, every: float = 0.05) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
+        time.sleep(every)
 
 
 def started(d: Daemon) -> int:
@@ -208,25 +217,17 @@ def test_sigterm_stops_every_process_and_kill_9_of_the_primary_takes_them(
     d = make_daemon("stop", env=TWO)
     worker = started(d)
     assert d.stop() == 0, d.log()
-    assert _zombie_or_gone(worker)
+    assert not alive(worker)
     d.log_path.unlink()
     d.start()
     worker = started(d)
     d.kill()
-    wait_for(lambda: _zombie_or_gone(worker), 10)
+    wait_for(lambda: not alive(worker), 10)
     with pytest.raises(OSError):  # nothing listens on the address any more
         d.request("GET", "/healthz", scope=None, timeout=2)
     d.start()  # and a new daemon takes it
     assert d.request("GET", "/readyz", scope=None).status == 200
     assert not [r for r in d.errors() if "serving process" not in r["msg"]], d.log()
-
-
-def _zombie_or_gone(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat[stat.rindex(")") + 2] in "ZX"
 
 
 def test_sighup_reloads_the_tokens_of_every_process(make_daemon: MakeDaemon) -> None:
@@ -290,5 +291,5 @@ def test_a_signal_while_the_serving_processes_start_is_no_death(
         assert d.stop() == 0, d.log()
     else:
         assert d.proc.wait(30) == 0, d.log()
-    assert _zombie_or_gone(worker)
+    assert not alive(worker)
     assert not d.errors(), d.log()
