@@ -26,7 +26,8 @@ tables copied from one generated master (each copy's last value stamped with a d
 its table and name, so that no table repeats another's bytes and the store sees new
 objects, not duplicates), after one untimed warm-up round; each figure is
 the median of `--reps` rounds, timed with `time.perf_counter` around the `spark.sql` call
-(JVM start-up and table set-up are not timed). Goal: with/without <= 1.5x. Every run is
+(JVM start-up and table set-up are not timed). Goal: with/without <= 1.2x for DROP TABLE
+and INSERT OVERWRITE, <= 1.1x for INSERT INTO, <= 1.5x for the others. Every run is
 printed under the table, with the 1-minute load average before each side. The full scale
 runs the sides one after the other; the smoke scale (12 files, for the test suite) runs
 them at once and without the warm-up round to stay under a minute, so its figures are not
@@ -68,7 +69,8 @@ from typing import Any
 from tests.bench.harness import log
 
 REPO = Path(__file__).resolve().parents[2]
-GOAL = 1.5
+# with/without: issue 14's targets where it sets one, else issue 11's 1.5x
+GOALS = {"drop": 1.2, "overwrite": 1.2, "insert": 1.1, "truncate": 1.5, "hive_overwrite": 1.5}
 OPS = ("drop", "overwrite", "insert", "truncate", "hive_overwrite")
 LABELS = {
     "drop": "DROP TABLE",
@@ -436,7 +438,7 @@ def report(scale_name: str, scale: Scale, reps: int, ops: list[str], size: int,
         a = statistics.median(without["times"][op])
         b = statistics.median(with_hook["times"][op])
         print(f"| {LABELS[op]} | {scale.files} | {a:.3f} | {b:.3f} | {b / a:.2f}x "
-              f"| <= {GOAL}x {'met' if b / a <= GOAL else 'NOT met'} |")
+              f"| <= {GOALS[op]}x {'met' if b / a <= GOALS[op] else 'NOT met'} |")
     print("\nEvery run (s), without / with, and the 1-minute load average before it:")
     for op in ops:
         runs = "; ".join(
