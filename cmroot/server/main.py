@@ -770,6 +770,12 @@ def _reload(
         tokens = _tokens(fresh.auth.tokens, config.server.host)
         if tls is not None:
             _reload_tls(tls, fresh.server)
+        if workers is not None:
+            # Published before the primary changes anything: a publish that fails leaves
+            # every process on the old tokens. What the primary takes of the file (the
+            # rest waits for a restart, as here).
+            workers.reload(replace(config, auth=fresh.auth, server=replace(
+                config.server, tls_cert=fresh.server.tls_cert, tls_key=fresh.server.tls_key)))
         service.tokens = tokens
         if gate is not None:
             gate.uids = _socket_uids(fresh.server)
@@ -786,10 +792,6 @@ def _reload(
             )
         )
         sched.reschedule_job("sweep", trigger=_trigger(fresh.store.interval))
-        if workers is not None:
-            # What the primary took of the file (the rest waits for a restart, as here).
-            workers.reload(replace(config, auth=fresh.auth, server=replace(
-                config.server, tls_cert=fresh.server.tls_cert, tls_key=fresh.server.tls_key)))
         log.info("reloaded", extra={"config": config.source, "tokens": len(fresh.auth.tokens)})
     except Exception as e:
         log.error("reload failed; keeping the current settings", extra={"error": str(e)})
