@@ -290,9 +290,12 @@ def _close_result(cf: Future[Verified]) -> None:
 
 
 SERVICE = web.AppKey("service", Service)
+# The private socket's path on a primary with serving processes (create_app's `private`).
+PRIVATE: web.AppKey[str | None] = web.AppKey("private")
 # A serving process's route for paths the API has not (the primary answers 404 or 405),
 # and how many requests it holds at once while the primary answers them.
 _UNKNOWN = "/{tail:.*}"
+_UNKNOWN_NAME = "unknown"
 FORWARD = Limit(workers=1, admitted=256)
 WORK = web.RequestKey("work", WorkClass)  # the class a request was admitted to
 INLINE_MAX = 1 << 20  # files up to this size are served from memory, hashed as read
@@ -321,15 +324,17 @@ def _file_headers(checksum: str, status: str) -> dict[str, str]:
     }
 
 
-def create_app(service: Service, max_body: int, primary: Primary | None = None
-               ) -> web.Application:
+def create_app(service: Service, max_body: int, primary: Primary | None = None,
+               private: str | None = None) -> web.Application:
     """The API over `service`. Given `primary` (the primary process, on its private
     socket), the app of a serving process: GET/HEAD /v1/files, POST /v1/resolve and
     /healthz are answered here, from a read-only store; every other request goes to the
     primary (`forward`) under the same route, and the primary answers it: writes, the
-    sweep, the metrics of all processes."""
+    sweep, the metrics of all processes. Given `private`, the app of a primary whose
+    serving processes reach it on that socket path."""
     app = web.Application(client_max_size=max_body, middlewares=[_errors, _guard])
     app[SERVICE] = service
+    app[PRIVATE] = private
     r = app.router
     forwarder: Handler | None = None
     if primary is not None:
@@ -350,8 +355,11 @@ def create_app(service: Service, max_body: int, primary: Primary | None = None
             r.add_get(path, answer, expect_handler=_expect)
         else:
             r.add_route(method, path, answer, expect_handler=_expect)
-    if forwarder is not None:
-        r.add_route("*", _UNKNOWN, forwarder, expect_handler=_expect)
+    # Last, so that it takes only what no API route does: a serving process passes it to
+    # the primary, the primary answers 404 or 405. A route rather than aiohttp's own
+    # not-found answer so that an odd `Expect` on it gets the JSON 417 too.
+    r.add_route("*", _UNKNOWN, forwarder or unknown, name=_UNKNOWN_NAME,
+                expect_handler=_expect)
     return app
 
 
@@ -381,15 +389,28 @@ def _api() -> list[tuple[str, str, str | None, str | None, Handler]]:
 
 async def _expect(request: web.Request) -> web.StreamResponse | None:
     """An `Expect` header: 100-continue as aiohttp answers it, anything else a JSON 417
-    (aiohttp's own answer is plain text)."""
+    (aiohttp's own answer is plain text). Counted here: aiohttp sends what this returns
+    without running the middlewares (`_errors`)."""
     try:
         await _default_expect_handler(request)
     except web.HTTPExpectationFailed:
+        request.app[SERVICE].metrics.http_requests.labels(_route_name(request), "417").inc()
         return error_response(
             417, "expectation not supported",
             f"Expect: {request.headers.get(hdrs.EXPECT, '')[:100]!r}: only 100-continue is",
         )
     return None
+
+
+async def unknown(request: web.Request) -> web.StreamResponse:
+    """A path no API route has (404), or a method its path does not take (405)."""
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        if resource.name != _UNKNOWN_NAME:
+            allowed |= (await resource.resolve(request))[1]
+    if allowed:
+        raise web.HTTPMethodNotAllowed(request.method, allowed)
+    raise web.HTTPNotFound()
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -405,9 +426,7 @@ def error_response(status: int, message: str, detail: str = "") -> web.Response:
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     m = request.app[SERVICE].metrics
-    resource = request.match_info.route.resource
-    route = "other" if resource is None or resource.canonical == _UNKNOWN else (
-        resource.canonical)
+    route = _route_name(request)
     if request.match_info.route.handler is request.app.get(FORWARDER):
         # Passed to the primary, which counts what it answers (the metrics are shared):
         # counted here are only the answers made here, refusals before it was asked.
@@ -415,10 +434,29 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if not request.get(UPSTREAM, False):
             m.http_requests.labels(route, str(resp.status)).inc()
         return resp
+    passed_on = forwarded(request)  # asked now: a cut connection has no transport
     with m.in_flight.track_inprogress(), m.request_duration.labels(route).time():
         resp = await _answer(request, handler, route)
-    m.http_requests.labels(route, str(resp.status)).inc()
+    if resp.status != CLIENT_GONE or not passed_on:
+        # A serving process that cut a request it passed on counts it itself (its
+        # client's body failed): the primary seeing the cut would count it twice.
+        m.http_requests.labels(route, str(resp.status)).inc()
     return resp
+
+
+def _route_name(request: web.Request) -> str:
+    """The route's label in the metrics: its path pattern, `other` for paths the API has
+    not."""
+    resource = request.match_info.route.resource
+    return "other" if resource is None or resource.name == _UNKNOWN_NAME else (
+        resource.canonical)
+
+
+def forwarded(request: web.Request) -> bool:
+    """Whether a serving process passed `request` on (it came over the private socket)."""
+    private = request.app[PRIVATE]
+    return private is not None and request.transport is not None and (
+        request.transport.get_extra_info("sockname") == private)
 
 
 async def _answer(request: web.Request, handler: Handler, route: str) -> web.StreamResponse:
@@ -444,6 +482,8 @@ async def _answer(request: web.Request, handler: Handler, route: str) -> web.Str
         if e.status < 400:
             raise
         resp = error_response(e.status, e.reason, f"{request.method} {request.path}")
+        if hdrs.ALLOW in e.headers:  # a 405 says which methods the path takes
+            resp.headers[hdrs.ALLOW] = e.headers[hdrs.ALLOW]
     except ConnectionResetError as e:
         # The client hung up (mid-body, or before its request ran): nobody reads this
         # answer, and it is the client's doing, not the daemon's.

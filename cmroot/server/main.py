@@ -39,6 +39,7 @@ from cmroot.server.app import (
     Service,
     create_app,
     error_response,
+    forwarded,
 )
 from cmroot.server.auth import Tokens, unix_peer_uid
 from cmroot.server.systemd import Notifier
@@ -341,9 +342,13 @@ class _Listener:
     @web.middleware
     async def watch_body(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Cuts the read of a request body that stalls or trickles (see _StallWatch)."""
+        # What a serving process passes on comes as fast as its client sends it, and
+        # the serving process cuts a client that stalls: given longer here, so that the
+        # cut is made (and counted) once, there, not raced by this one.
+        timeout = self.body_timeout * (2 if forwarded(request) else 1)
         watch = (
             None if request.content.is_eof()
-            else _StallWatch(request.content, request.protocol, self.body_timeout)
+            else _StallWatch(request.content, request.protocol, timeout)
         )
         try:
             return await handler(request)
@@ -650,12 +655,12 @@ async def _run(
     loop.add_signal_handler(signal.SIGINT, stop.set)
     hup = asyncio.Event()  # a reload asked for meanwhile is made once all has started
     loop.add_signal_handler(signal.SIGHUP, hup.set)
-    app = create_app(service, config.server.max_body)
+    primary = None if rundir is None else os.path.join(rundir, PRIMARY_SOCKET)
+    app = create_app(service, config.server.max_body, private=primary)
     runner, listener, server, tls = await _listen(config, app, rundir is not None)
     workers: Workers | None = None
     inner: asyncio.AbstractServer | None = None
-    if rundir is not None:
-        primary = os.path.join(rundir, PRIMARY_SOCKET)
+    if rundir is not None and primary is not None:
         inner = await loop.create_unix_server(listener, path=primary, backlog=BACKLOG)
         os.chmod(primary, 0o600)
         port = server.sockets[0].getsockname()[1]

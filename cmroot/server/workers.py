@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -74,8 +75,11 @@ class Workers:
         starting meanwhile reads the old one or the new one, whole)."""
         config = replace(config, server=replace(config.server, port=self.port))
         tmp = f"{self._config_path}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(msgspec.json.encode(config))
+        # The stdlib's JSON rather than msgspec's: it carries every value a config may
+        # hold, a path with bytes that are not UTF-8 (a lone surrogate, escaped) and an
+        # infinite duration (Infinity) among them.
+        with open(tmp, "w", encoding="ascii") as f:
+            json.dump(msgspec.to_builtins(config), f)
         os.replace(tmp, self._config_path)
         self._published += 1
 
@@ -218,8 +222,8 @@ async def _serve(path: str, primary: str) -> None:
 
 def _read(path: str) -> cfg.Config:
     """The config the primary published (Workers.publish)."""
-    with open(path, "rb") as f:
-        return msgspec.json.decode(f.read(), type=cfg.Config)
+    with open(path, encoding="ascii") as f:
+        return msgspec.convert(json.load(f), type=cfg.Config)
 
 
 def _reload(path: str, service: Service, tls: ssl.SSLContext | None) -> None:

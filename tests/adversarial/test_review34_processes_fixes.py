@@ -3,7 +3,7 @@ primary's route names, 408/499 on forwarded bodies, the JSON 417, the config the
 publishes in its run dir for its serving processes, reloads that reach every process).
 Real daemons over loopback, many fresh connections so both processes get requests.
 
-`test_break_*` marked xfail(strict) are breaks still open; the others held."""
+`test_break_*` are the breaks found (each fixed: see its comment); the others held."""
 
 from __future__ import annotations
 
@@ -119,8 +119,7 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 # An Expect other than 100-continue is answered by app._expect, which aiohttp runs before
 # the middlewares (web_app._handle returns its response as is): app._errors never sees the
 # 417, so it is counted by no process (single-process mode alike).
-@pytest.mark.xfail(strict=True, reason="a 417 from app._expect bypasses app._errors: "
-                   "never counted in cmroot_http_requests_total")
+# Fixed: app._expect counts the 417 it makes.
 def test_break_a_417_is_counted_once(two: Daemon) -> None:
     before = requests_total(two, "/v1/events", "417")
     for _ in range(N):
@@ -135,8 +134,8 @@ def test_break_a_417_is_counted_once(two: Daemon) -> None:
 # on the primary (and in single-process mode) a path it has not, or a method a path does
 # not take, keeps aiohttp's default expect handler: a text/plain '417 Unknown Expect'. So
 # the same request is a JSON error on a serving process and plain text on the primary.
-@pytest.mark.xfail(strict=True, reason="primary: unknown path/method + odd Expect gets "
-                   "aiohttp's text/plain 417 (no _expect on its 404/405), serving: JSON")
+# Fixed: every app ends with a catch-all route carrying _expect; on the primary its
+# handler (app.unknown) answers the 404 or 405 (with Allow).
 def test_break_an_odd_expectation_on_an_unknown_route_is_json_everywhere(two: Daemon) -> None:
     kinds: Counter[str] = Counter()
     for path in (b"POST /v1/nothing", b"PUT /v1/events"):
@@ -152,8 +151,9 @@ def test_break_an_odd_expectation_on_an_unknown_route_is_json_everywhere(two: Da
 # A body that stalls on a forwarded route: the serving process answers 408 itself (and
 # counts it: UPSTREAM unset), but it had already opened the request on the primary, which
 # sees its upstream connection cut mid-body and counts the same request again (499).
-@pytest.mark.xfail(strict=True, reason="stalled body through a serving process counted "
-                   "twice: 408 by the serving process + 499 by the primary")
+# Fixed: the primary does not count a 499 of its private socket (the serving process
+# counts the cut), and waits twice server.body_timeout for a forwarded body, so that the
+# serving process's 408 is the one made.
 def test_break_a_stalled_forwarded_body_is_counted_once(two: Daemon) -> None:
     count = 16
     paths = list(write_files(two.warehouse, {f"db.db/st{i}/f": b"x" for i in range(count)}))
@@ -178,8 +178,7 @@ def test_break_a_stalled_forwarded_body_is_counted_once(two: Daemon) -> None:
 # A client that hangs up mid-body on a forwarded route: the serving process answers 499
 # (request.content.exception(), app.forward) and counts it; the primary, whose upstream
 # request is cut, counts a 499 too.
-@pytest.mark.xfail(strict=True, reason="client gone mid-body through a serving process "
-                   "counted twice (499 on both processes)")
+# Fixed with the one above.
 def test_break_a_client_gone_mid_forwarded_body_is_counted_once(two: Daemon) -> None:
     paths = list(write_files(two.warehouse, {f"db.db/gone{i}/f": b"y" for i in range(N)}))
     before = settled(two, "/v1/recycle")
@@ -233,8 +232,8 @@ def test_break_a_failed_publish_leaves_no_process_on_other_tokens(
 # in Workers.__init__) or every serving process at start (null is no float: msgspec
 # ValidationError in workers._read, a restart loop of error lines); a single process runs
 # with it.
-@pytest.mark.xfail(strict=True, reason="Workers.publish/workers._read: msgspec JSON does "
-                   "not round-trip every Config (surrogate-escaped paths, inf durations)")
+# Fixed: Workers.publish writes the stdlib's JSON (lone surrogates escaped, Infinity),
+# workers._read converts it back with msgspec.convert: the same Config, value for value.
 @pytest.mark.parametrize("env", [
     {"CMROOT_STORE_RETAIN": "9" * 400 + "w"},
     {"CMROOT_STORE_WAREHOUSE_ROOTS": "WAREHOUSE,/srv/caf\udce9"},
