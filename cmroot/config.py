@@ -143,6 +143,9 @@ class ServerConfig:
     # processes - 1 that serve GET/HEAD /v1/files and POST /v1/resolve themselves and pass
     # every other request to the primary.
     processes: int = 1
+    # Seconds a serving process's event loop may give no sign of life before the primary
+    # kills it and starts another (a wedged one would hang the connections it is given).
+    process_timeout: float = 30.0
 
     @property
     def base_url(self) -> str:
@@ -367,7 +370,7 @@ def _build(raw: dict[str, dict[str, Any]], source: str) -> Config:
     )
 
 
-_TIMEOUTS = ("keepalive_timeout", "body_timeout", "send_timeout")
+_TIMEOUTS = ("keepalive_timeout", "body_timeout", "send_timeout", "process_timeout")
 MAX_PROCESSES = 64
 
 

@@ -56,6 +56,7 @@ def test_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert (c.server.keepalive_timeout, c.server.body_timeout, c.server.send_timeout) == (
         15, 15, 30)
     assert c.server.processes == 1
+    assert c.server.process_timeout == 30
 
 
 def test_server_processes(tmp_path: Path, roots: dict[str, str]) -> None:
@@ -75,6 +76,10 @@ def test_server_timeouts(tmp_path: Path, roots: dict[str, str]) -> None:
     for value in ("0s", "2h", "15"):
         msg = refusal(None, env={**roots, "CMROOT_SERVER_SEND_TIMEOUT": value})
         assert "server.send_timeout" in msg, msg
+        msg = refusal(None, env={**roots, "CMROOT_SERVER_PROCESS_TIMEOUT": value})
+        assert "server.process_timeout" in msg, msg
+    assert config.load(None, env={**roots, "CMROOT_SERVER_PROCESS_TIMEOUT": "10s"}
+                       ).server.process_timeout == 10
 
 
 def test_load_reads_the_process_environment_when_env_is_not_given(

@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import resource
-import shutil
 import signal
 import socket
 import ssl
@@ -42,6 +41,7 @@ from cmroot.server.app import (
     forwarded,
 )
 from cmroot.server.auth import Tokens, unix_peer_uid
+from cmroot.server.rundir import RunDir
 from cmroot.server.systemd import Notifier
 from cmroot.server.workers import METRICS_DIR, PRIMARY_SOCKET, Workers
 from cmroot.store import Store
@@ -102,39 +102,26 @@ def serve(config: cfg.Config, host: str | None = None, port: int | None = None) 
     _ensure_default_dirs(config)
     notifier = Notifier()
     store = _open_store(config, notifier)
-    rundir = None
+    rundir: RunDir | None = None
     try:
         registry = CollectorRegistry()
         if server.processes > 1:
-            rundir = _run_dir()
-            metrics_dir = os.path.join(rundir, METRICS_DIR)
+            rundir = RunDir(PRIMARY_SOCKET)
+            metrics_dir = os.path.join(rundir.path, METRICS_DIR)
             os.mkdir(metrics_dir)
             share_between_processes(metrics_dir)
             registry = shared_registry(metrics_dir)
         service = Service(store, tokens, registry, send_timeout=config.server.send_timeout,
                           shared=rundir is not None)
         try:
-            asyncio.run(_run(config, service, notifier, rundir))
+            asyncio.run(_run(config, service, notifier, rundir.path if rundir else None))
         finally:
             service.close()
     finally:
         store.close()
         if rundir is not None:
-            shutil.rmtree(rundir, ignore_errors=True)
+            rundir.close()
     return 0
-
-
-def _run_dir() -> str:
-    """A directory of the primary's own (mode 0700) for its private socket, the shared
-    metrics and the config its serving processes run with: under systemd's
-    RuntimeDirectory when there is one, else the temp directory, else /tmp when that one
-    is too deep for a Unix socket's path."""
-    runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
-    for base in (runtime, tempfile.gettempdir()):
-        longest = os.path.join(base, "cmroot-serve-12345678", PRIMARY_SOCKET)
-        if base and len(os.fsencode(longest)) <= cfg.MAX_SOCKET_PATH:
-            return tempfile.mkdtemp(prefix="cmroot-serve-", dir=base)
-    return tempfile.mkdtemp(prefix="cmroot-serve-", dir="/tmp")
 
 
 def _open_store(config: cfg.Config, notifier: Notifier) -> Store:

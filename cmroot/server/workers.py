@@ -42,6 +42,10 @@ PRIMARY_SOCKET = "primary.sock"
 METRICS_DIR = "metrics"
 CONFIG_FILE = "config.json"
 READY = b"ready\n"  # what a serving process writes on its stdout once it listens
+# Then, from its event loop, BEAT this many times per server.process_timeout: a process
+# the primary hears nothing from for that long is wedged, and is killed.
+BEAT = b"."
+BEATS_PER_TIMEOUT = 10
 START_TIMEOUT = 60.0  # seconds a serving process has to open the store and listen
 # A serving process that dies is started again after a pause that doubles from the first
 # to the last, and starts from the first again once one has lived for RESTART_RESET.
@@ -57,6 +61,7 @@ class Workers:
 
     def __init__(self, config: cfg.Config, port: int, rundir: str, count: int) -> None:
         self.port = port
+        self.timeout = config.server.process_timeout
         self.rundir = rundir
         self.count = count
         self._procs: dict[int, asyncio.subprocess.Process] = {}
@@ -137,6 +142,9 @@ class Workers:
                 if self._published != published:  # reloaded while it started
                     with suppress(ProcessLookupError):
                         proc.send_signal(signal.SIGHUP)
+                if not started.done():
+                    started.set_result(None)
+                await self._watch(proc)
             if not started.done():
                 started.set_result(None)
             code = await proc.wait()
@@ -158,6 +166,23 @@ class Workers:
             "--parent", str(os.getpid()),
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         )
+
+    async def _watch(self, proc: asyncio.subprocess.Process) -> None:
+        """Until `proc` exits: a process whose event loop falls silent for
+        server.process_timeout is killed (the kernel would keep giving it connections
+        that it never answers)."""
+        assert proc.stdout is not None
+        while True:
+            try:
+                beats = await asyncio.wait_for(proc.stdout.read(4096), self.timeout)
+            except asyncio.TimeoutError:
+                log.error("a serving process stopped answering: killed",
+                          extra={"pid": proc.pid, "silent_for": self.timeout})
+                with suppress(ProcessLookupError):
+                    proc.kill()
+                return
+            if not beats:
+                return  # exited
 
     async def _listening(self, proc: asyncio.subprocess.Process) -> bool:
         """Whether the process says it listens in time; one that does not is killed
@@ -210,14 +235,24 @@ async def _serve(path: str, primary: str) -> None:
         loop.add_signal_handler(signal.SIGHUP, lambda: _reload(path, service, tls))
         sys.stdout.buffer.write(READY)
         sys.stdout.buffer.flush()
+        beats = asyncio.create_task(_beat(config.server.process_timeout / BEATS_PER_TIMEOUT))
         writers = asyncio.create_task(listener.watch_writers())
         await stop.wait()
         server.close()
         await main._drain(runner, listener)
         writers.cancel()
+        beats.cancel()
     finally:
         await asyncio.to_thread(service.close)
         store.close()
+
+
+async def _beat(every: float) -> None:
+    """Tell the primary the event loop runs (it reads stdout without pause: a write to
+    the pipe does not block)."""
+    while True:
+        os.write(sys.stdout.fileno(), BEAT)
+        await asyncio.sleep(every)
 
 
 def _read(path: str) -> cfg.Config:

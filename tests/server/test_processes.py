@@ -211,6 +211,49 @@ def test_a_killed_serving_process_is_started_again(make_daemon: MakeDaemon) -> N
     assert d.stop() == 0, d.log()
 
 
+def test_a_wedged_serving_process_is_killed_and_replaced(make_daemon: MakeDaemon) -> None:
+    """A serving process whose event loop stops (here SIGSTOP) is given connections it
+    never answers: after server.process_timeout of silence the primary kills it and
+    starts another, and every request is answered again."""
+    d = make_daemon("wedged", env={**TWO, "CMROOT_SERVER_PROCESS_TIMEOUT": "2s"})
+    worker = started(d)
+    [(p, c, data)] = _recycled(d, "t", {"f": os.urandom(3000)})
+    os.kill(worker, signal.SIGSTOP)
+    wait_for(lambda: not alive(worker), 15)
+    for _ in range(N):  # the primary answers until the new one listens
+        r = d.request("GET", d.files_url(p, c), scope="read", timeout=10)
+        assert (r.status, r.body) == (200, data)
+    wait_for(lambda: children(d.proc.pid) not in ([], [worker]))  # type: ignore[union-attr]
+    assert [r["msg"] for r in d.errors()][:1] == [
+        "a serving process stopped answering: killed"], d.log()
+    assert d.stop() == 0, d.log()
+
+
+def test_the_run_dir_of_a_killed_primary_is_removed_by_the_next(
+    make_daemon: MakeDaemon, tmp_path: Path,
+) -> None:
+    """kill -9 leaves the primary's run dir (socket, metrics files, config.json) behind:
+    the next primary to start removes it, and leaves alone the one of a primary that
+    runs."""
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    env = {**TWO, "RUNTIME_DIRECTORY": str(runtime)}
+    a = make_daemon("a", env=env)
+    started(a)
+    [kept] = runtime.iterdir()
+    b = make_daemon("b", env=env)
+    started(b)
+    b.kill()
+    wait_for(lambda: len(list(runtime.iterdir())) == 2)
+    [left] = set(runtime.iterdir()) - {kept}
+    c = make_daemon("c", env=env)
+    started(c)
+    assert not left.exists()
+    assert kept.exists() and len(list(runtime.iterdir())) == 2
+    assert c.stop() == 0 and a.stop() == 0
+    assert list(runtime.iterdir()) == []
+
+
 def test_sigterm_stops_every_process_and_kill_9_of_the_primary_takes_them(
     make_daemon: MakeDaemon,
 ) -> None:
