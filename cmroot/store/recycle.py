@@ -488,7 +488,8 @@ class Recycler:
             if it.method == Method.TAKE:
                 self._take(txid, it, session)
         if ahead is None:
-            self._publish(txid, it, self.layout.needs_private(it.staged, nlink))
+            # Staged and published in one go: no prepare made a private copy before.
+            self._publish(txid, it, self.layout.needs_private(it.staged, nlink, fresh=True))
         elif nlink > 1:
             # Prepared: copy a hard-linked file's bytes now, while they are the ones just
             # hashed, not at commit, after the statement's other names may have changed.

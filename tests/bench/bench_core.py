@@ -29,7 +29,6 @@ Progress goes to stderr, the table to stdout.
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import shutil
 import statistics
@@ -195,8 +194,6 @@ def recycle_phases(store: Store, enabled: bool) -> Iterator[Phases | None]:
         return
     import cmroot.checksum
 
-    # By module name: `cmroot.store` re-exports names that shadow some submodules.
-    recycle_mod = importlib.import_module("cmroot.store.recycle")
     ph = Phases()
     r = store.recycler
     ph.wrap(store.warehouse, "expand", "expand (walk + lstat)")
@@ -206,8 +203,8 @@ def recycle_phases(store: Store, enabled: bool) -> Iterator[Phases | None]:
     ph.wrap(cmroot.checksum, "of_local_file", "  hash staged file [summed over threads]")
     ph.wrap(store.objects, "publish", "  objects.publish [summed over threads]")
     ph.wrap(store.layout, "make_shard", "    layout.make_shard [summed over threads]")
-    ph.wrap(recycle_mod, "sync_filesystem", "syncfs")
-    ph.wrap(r, "_commit", "index commit")
+    ph.wrap(store.layout, "flush", "layout.flush (syncfs)")
+    ph.wrap(r.journal, "commit", "journal.commit (index)")
     ph.wrap(store.objects, "release", "objects.release")
     ph.wrap(r, "_finish", "finish (rm staging, rmdir sources)")
     try:

@@ -128,9 +128,10 @@ class Layout(ABC):
     def published(self, staged: str, info: StagedInfo, checksum: str) -> bool:
         """Whether the staged file was published as object `checksum` (a recovery asks)."""
 
-    def needs_private(self, staged: str, nlink: int) -> bool:
+    def needs_private(self, staged: str, nlink: int, fresh: bool = False) -> bool:
         """Must the object of this staged file be a copy of its bytes rather than its
-        inode? Only where inodes are shared (see LocalLayout)."""
+        inode? Only where inodes are shared (see LocalLayout). `fresh`: staged by the
+        caller just now, so no earlier step can have made a copy of it."""
         return False
 
     def private_copy(self, staged: str, checksum: str) -> str:

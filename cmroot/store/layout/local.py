@@ -100,11 +100,11 @@ class LocalLayout(Layout):
             os.path.lexists(private) and _same_inode(os.lstat(private), obj)
         )
 
-    def needs_private(self, staged: str, nlink: int) -> bool:
+    def needs_private(self, staged: str, nlink: int, fresh: bool = False) -> bool:
         """Yes when the file has other names in the warehouse (writes through them would
         change the stored bytes), or once prepare copied it so (the other names may have
         gone since; the copy stays)."""
-        return nlink > 1 or os.path.lexists(private_name(staged))
+        return nlink > 1 or (not fresh and os.path.lexists(private_name(staged)))
 
     def private_copy(self, staged: str, checksum: str) -> str:
         """A copy of `staged` beside it, fsynced and hashing to `checksum`: what gets
