@@ -9,6 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cmroot import checksum as cks
 from cmroot.index import Entry, Event, Index, StoredObject
@@ -272,6 +274,35 @@ def test_stats_follow_inserts_upserts_and_deletes(index: Index) -> None:
     index.forget([c(2)])
     index.forget_expired([c(3)], now=1000)
     assert index.stats()[:2] == truth() == (1, 10)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.one_of(
+    st.tuples(st.just("recycle"), st.lists(st.tuples(st.integers(0, 12), st.integers(0, 9)),
+                                           min_size=1, max_size=8)),
+    st.tuples(st.just("register"), st.integers(0, 12)),
+    st.tuples(st.just("forget"), st.lists(st.integers(0, 12), max_size=4)),
+), max_size=12))
+def test_stats_equal_a_count_after_any_sequence(
+    tmp_path_factory: pytest.TempPathFactory, steps: list[tuple[str, object]]
+) -> None:
+    """Whatever mix of recycles (one object from several paths, objects already indexed),
+    registrations and removals: the running totals are what counting would give."""
+    index = Index(str(tmp_path_factory.mktemp("stats") / "i.sqlite"))
+    try:
+        for i, (kind, arg) in enumerate(steps):
+            if kind == "recycle":
+                index.commit_recycle(None, event(), [
+                    entry(f"/wh/{i}/{j}", c(n), size=n + 1) for j, (n, _) in enumerate(arg)])
+            elif kind == "register":
+                index.register_object(StoredObject(c(arg), arg + 1, 1.0, 2.0, True))
+            else:
+                index.forget([c(n) for n in arg])
+            assert index.stats()[:2] == tuple(index._query(
+                "SELECT count(*), coalesce(sum(size), 0) FROM objects")[0])
+    finally:
+        index.close()
 
 
 def test_checksum_cache(index: Index) -> None:

@@ -303,7 +303,7 @@ def test_an_old_index_opens_and_keeps_everything(tmp_path: Path, meta: bool) -> 
     build_old(path, OLD_SCHEMA if meta else OLD_SCHEMA_NO_META, meta)
     index = Index(str(path))
     try:
-        assert user_version(path) == VERSION == 7
+        assert user_version(path) == VERSION == 8
         assert len(index.log_id()) == 32  # the event log gains its identity
         # Events: every one, in id order, each with its files in their recorded order.
         assert [e.to_json() for e in index.events(0, 100)] == expected_events(meta)
@@ -373,7 +373,7 @@ def test_an_index_of_the_first_release_gets_its_running_totals(tmp_path: Path) -
     try:
         assert index.stats() == (3, 15, 101.0)
         index.forget([C])
-        assert index.stats() == (2, 8, 101.0)  # the triggers keep them from now on
+        assert index.stats() == (2, 8, 101.0)  # kept from now on
         assert [e.to_json() for e in index.events(0, 100)] == expected_events(False)
     finally:
         index.close()

