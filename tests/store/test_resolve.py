@@ -198,3 +198,47 @@ def test_retrieval_after_recycle_round_trip(env, store: Store) -> None:
     )
     store.recycle(RecycleRequest(paths=[str(table_dir(env.warehouse, "db", "t"))], op="DROP_TABLE"))
     assert_retrievable(store, files, status="cmroot")
+
+
+def test_a_batch_answers_each_pair_as_it_would_be_answered_alone(env, store) -> None:
+    """Originals are looked up a directory at a time: every odd entry a batch can hold
+    (a symlink to a file or a directory in the roots, a FIFO, a directory, a missing
+    parent, the root, duplicates, files of many directories in any order) gets the
+    answer it gets alone."""
+    wh = Path(env.warehouse)
+    outside = wh.parent / "beyond-the-roots"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"secret")
+    files = {}
+    for d in ("a", "b", "b/c", "lnkdir-target"):
+        for i in range(3):
+            p = wh / "db.db" / d / f"f{i}"
+            write_file(str(p), f"{d}{i}".encode())
+            files[str(p)] = cks.of_bytes(f"{d}{i}".encode())
+    base = wh / "db.db"
+    os.symlink(base / "a" / "f0", base / "a" / "to-file")
+    os.symlink(base / "lnkdir-target", base / "lnkdir")
+    os.symlink(outside, base / "out")
+    os.symlink(outside / "secret", base / "b" / "secret")
+    os.mkfifo(base / "b" / "fifo")
+    (base / "b" / "dir").mkdir()
+    odd = {
+        base / "a" / "to-file": files[str(base / "a" / "f0")],
+        base / "lnkdir" / "f1": files[str(base / "lnkdir-target" / "f1")],
+        base / "b" / "fifo": cks.of_bytes(b""),
+        base / "b" / "dir": cks.of_bytes(b""),
+        base / "nothere" / "f": cks.of_bytes(b"x"),
+        wh: cks.of_bytes(b""),
+    }
+    pairs = [{"path": p, "checksum": c} for p, c in files.items()]
+    pairs += [{"path": str(p), "checksum": c} for p, c in odd.items()]
+    pairs += [{"path": p, "checksum": cks.of_bytes(b"other")} for p in list(files)[:4]]
+    pairs += pairs[:5]
+    random.Random(7).shuffle(pairs)
+    alone = [store.resolve([pair])[0] for pair in pairs]
+    assert store.resolve(pairs) == alone
+    assert sum(r.status == "original" for r in alone) >= len(files)
+    # A path out of the roots through a symlink is refused (400) before any lookup.
+    for link in (base / "out" / "secret", base / "b" / "secret"):
+        with pytest.raises(BadRequest):
+            store.resolve([*pairs, {"path": str(link), "checksum": cks.of_bytes(b"secret")}])
