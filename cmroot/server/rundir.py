@@ -10,7 +10,9 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 import tempfile
+import time
 
 from cmroot import config as cfg
 
@@ -18,8 +20,11 @@ log = logging.getLogger("cmroot.server")
 
 PREFIX = "cmroot-serve-"
 # Made under this name, locked, then renamed to PREFIX...: a primary sweeping stale
-# directories never sees one that is not locked yet.
+# directories never sees one that is not locked yet. One left under this name (its
+# primary killed between the two) is swept once older than _MAKING_AGE seconds: a live
+# primary is a few syscalls from taking its lock.
 _MAKING = ".cmroot-serve-making-"
+_MAKING_AGE = 60.0
 _LOCK = "lock"
 _LONGEST_NAME = f"{PREFIX}12345678"
 
@@ -55,16 +60,18 @@ def _base(longest_entry: str) -> str:
 
 def sweep(base: str) -> None:
     """Remove the run directories in `base` of primaries that are gone (this user's,
-    their lock free)."""
+    their lock free), and those a primary killed while making one left."""
     try:
-        names = [n for n in os.listdir(base) if n.startswith(PREFIX)]
+        names = [n for n in os.listdir(base) if n.startswith((PREFIX, _MAKING))]
     except OSError:
         return
     for name in names:
         path = os.path.join(base, name)
         try:
             st = os.lstat(path)
-            if st.st_uid != os.geteuid() or not os.path.isdir(path) or os.path.islink(path):
+            if st.st_uid != os.geteuid() or not stat.S_ISDIR(st.st_mode):
+                continue
+            if name.startswith(_MAKING) and time.time() - st.st_mtime < _MAKING_AGE:
                 continue
             fd = os.open(os.path.join(path, _LOCK), os.O_RDWR | os.O_NOFOLLOW)
         except OSError:

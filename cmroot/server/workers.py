@@ -173,9 +173,12 @@ class Workers:
         that it never answers)."""
         assert proc.stdout is not None
         while True:
+            beats: bytes | None
             try:
                 beats = await asyncio.wait_for(proc.stdout.read(4096), self.timeout)
             except asyncio.TimeoutError:
+                beats = await self._late_beat(proc)
+            if beats is None:
                 log.error("a serving process stopped answering: killed",
                           extra={"pid": proc.pid, "silent_for": self.timeout})
                 with suppress(ProcessLookupError):
@@ -183,6 +186,17 @@ class Workers:
                 return
             if not beats:
                 return  # exited
+
+    async def _late_beat(self, proc: asyncio.subprocess.Process) -> bytes | None:
+        """A beat that comes within two more beat intervals, or None. The whole daemon
+        may have been stopped with it (Ctrl-Z, a cgroup freeze): both wake at once, the
+        primary's timeout past due before the serving process could beat again."""
+        assert proc.stdout is not None
+        try:
+            return await asyncio.wait_for(proc.stdout.read(4096),
+                                          2 * self.timeout / BEATS_PER_TIMEOUT)
+        except asyncio.TimeoutError:
+            return None
 
     async def _listening(self, proc: asyncio.subprocess.Process) -> bool:
         """Whether the process says it listens in time; one that does not is killed
