@@ -31,9 +31,10 @@ from prometheus_client import CollectorRegistry
 
 from cmroot import config as cfg
 from cmroot.exceptions import ConfigError, Conflict
-from cmroot.metrics import share_between_processes, shared_registry
+from cmroot.metrics import Metrics, share_between_processes, shared_registry
 from cmroot.server.app import (
     LIMITS,
+    SERVICE,
     Handler,
     Service,
     create_app,
@@ -207,6 +208,8 @@ class _Connection(web.RequestHandler):
     can be closed without losing a request, and malformed HTTP answered as the API's
     client errors rather than logged as daemon faults."""
 
+    metrics: Metrics  # the app's: a refused request is counted like any other
+
     def idle(self) -> bool:
         """Waiting for a request, none arrived, nothing left to send. aiohttp's loop parks
         on `_waiter` with no message queued only then: a request is queued as soon as its
@@ -252,6 +255,8 @@ class _Connection(web.RequestHandler):
             status, "malformed HTTP request", f"{what}: send well-formed HTTP/1.1"
         )
         resp.force_close()
+        # Answered outside the app, whose middleware counts every other request.
+        self.metrics.http_requests.labels("other", str(status)).inc()
         return resp
 
 
@@ -280,7 +285,9 @@ class _Listener:
                 h.force_close()
             if not idle:
                 return _Busy()
-        return _Connection(server, loop=asyncio.get_running_loop(), **self.options)
+        conn = _Connection(server, loop=asyncio.get_running_loop(), **self.options)
+        conn.metrics = self.runner.app[SERVICE].metrics
+        return conn
 
     def _transports(self) -> list[tuple[web.RequestHandler, asyncio.WriteTransport]]:
         server = self.runner.server

@@ -249,8 +249,7 @@ def test_break_a_half_made_run_dir_is_swept(make_daemon: MakeDaemon, tmp_path: P
 # predates it) but the same gap its catch-all closed for unknown paths and methods the
 # parser accepts (`PATCH /v1/holds` is a counted 405, `FOO /v1/holds` an uncounted 400).
 # Fix: count in _Connection.handle_error (route "other", code = the status it answers).
-@pytest.mark.xfail(strict=True, reason="parser-level 400s (unknown method, bad header) are "
-                   "counted nowhere (main._Connection.handle_error)")
+# Fixed so.
 def test_break_a_request_the_parser_refuses_is_counted(two: Daemon) -> None:
     attacks = (b"FOO /v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\n",
                b"GET /v1/events/current HTTP/1.1\r\nHost: 127.0.0.1\r\nno colon here\r\n",
