@@ -226,15 +226,11 @@ def _open_named(dir_fd: int, name: str) -> os.stat_result | None:
         if e.errno in read.NO_FILE:
             return None
         raise
-    try:
-        st = os.fstat(fd)
-    except OSError as e:
-        if e.errno in read.VANISHED:
-            return None
-        raise
-    finally:
-        os.close(fd)
-    return st if stat.S_ISREG(st.st_mode) else None
+    opened = _regular(fd)
+    if opened is None:
+        return None
+    os.close(opened[0])
+    return opened[1]
 
 
 def _hash(o: _Original) -> tuple[str | None, str] | None:
@@ -278,8 +274,11 @@ def _open_regular(loc: Located) -> tuple[int, os.stat_result] | None:
     """A descriptor of the local original at `loc` (confined, no symlink followed) and its
     fstat; None unless a regular file is there. The caller closes the descriptor."""
     fd = read.open_original(loc)
-    if fd is None:
-        return None
+    return None if fd is None else _regular(fd)
+
+
+def _regular(fd: int) -> tuple[int, os.stat_result] | None:
+    """`fd` and its fstat if it is a regular file; else None, `fd` closed."""
     try:
         st = os.fstat(fd)
     except OSError as e:
