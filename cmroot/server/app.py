@@ -290,11 +290,9 @@ def _close_result(cf: Future[Verified]) -> None:
 
 
 SERVICE = web.AppKey("service", Service)
-# The private socket's path on a primary with serving processes (create_app's `private`).
-PRIVATE: web.AppKey[str | None] = web.AppKey("private")
-# A serving process's route for paths the API has not (the primary answers 404 or 405),
-# and how many requests it holds at once while the primary answers them.
-_UNKNOWN = "/{tail:.*}"
+# The route of targets the API has not (a serving process passes them on, the primary
+# answers 404 or 405), and how many requests a serving process holds at once while the
+# primary answers them.
 _UNKNOWN_NAME = "unknown"
 FORWARD = Limit(workers=1, admitted=256)
 WORK = web.RequestKey("work", WorkClass)  # the class a request was admitted to
@@ -324,17 +322,15 @@ def _file_headers(checksum: str, status: str) -> dict[str, str]:
     }
 
 
-def create_app(service: Service, max_body: int, primary: Primary | None = None,
-               private: str | None = None) -> web.Application:
+def create_app(service: Service, max_body: int, primary: Primary | None = None
+               ) -> web.Application:
     """The API over `service`. Given `primary` (the primary process, on its private
     socket), the app of a serving process: GET/HEAD /v1/files, POST /v1/resolve and
     /healthz are answered here, from a read-only store; every other request goes to the
     primary (`forward`) under the same route, and the primary answers it: writes, the
-    sweep, the metrics of all processes. Given `private`, the app of a primary whose
-    serving processes reach it on that socket path."""
+    sweep, the metrics of all processes."""
     app = web.Application(client_max_size=max_body, middlewares=[_errors, _guard])
     app[SERVICE] = service
-    app[PRIVATE] = private
     r = app.router
     forwarder: Handler | None = None
     if primary is not None:
@@ -357,10 +353,20 @@ def create_app(service: Service, max_body: int, primary: Primary | None = None,
             r.add_route(method, path, answer, expect_handler=_expect)
     # Last, so that it takes only what no API route does: a serving process passes it to
     # the primary, the primary answers 404 or 405. A route rather than aiohttp's own
-    # not-found answer so that an odd `Expect` on it gets the JSON 417 too.
-    r.add_route("*", _UNKNOWN, forwarder or unknown, name=_UNKNOWN_NAME,
-                expect_handler=_expect)
+    # not-found answer so that an odd `Expect` on it gets the JSON 417 too, counted.
+    anything = _Anything("/", name=_UNKNOWN_NAME)
+    r.register_resource(anything)
+    anything.add_route("*", forwarder or unknown, expect_handler=_expect)
     return app
+
+
+class _Anything(web.PlainResource):
+    """A resource every target matches, even those no path pattern can (`OPTIONS *`, a
+    path whose %0A decodes to a newline): without it aiohttp answers them itself, past
+    the middlewares and `_expect`."""
+
+    def _match(self, path: str) -> dict[str, str] | None:
+        return {}
 
 
 def _api() -> list[tuple[str, str, str | None, str | None, Handler]]:
@@ -427,21 +433,22 @@ def error_response(status: int, message: str, detail: str = "") -> web.Response:
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     m = request.app[SERVICE].metrics
     route = _route_name(request)
-    if request.match_info.route.handler is request.app.get(FORWARDER):
-        # Passed to the primary, which counts what it answers (the metrics are shared):
-        # counted here are only the answers made here, refusals before it was asked.
+    if passes_on(request):
+        # The primary counts every request it is asked, cut ones included (the metrics
+        # are shared): counted here are only those it never saw, refused before.
         resp = await _answer(request, handler, route)
         if not request.get(UPSTREAM, False):
             m.http_requests.labels(route, str(resp.status)).inc()
         return resp
-    passed_on = forwarded(request)  # asked now: a cut connection has no transport
     with m.in_flight.track_inprogress(), m.request_duration.labels(route).time():
         resp = await _answer(request, handler, route)
-    if resp.status != CLIENT_GONE or not passed_on:
-        # A serving process that cut a request it passed on counts it itself (its
-        # client's body failed): the primary seeing the cut would count it twice.
-        m.http_requests.labels(route, str(resp.status)).inc()
+    m.http_requests.labels(route, str(resp.status)).inc()
     return resp
+
+
+def passes_on(request: web.Request) -> bool:
+    """Whether this (serving) process passes `request` to the primary."""
+    return request.match_info.route.handler is request.app.get(FORWARDER)
 
 
 def _route_name(request: web.Request) -> str:
@@ -450,13 +457,6 @@ def _route_name(request: web.Request) -> str:
     resource = request.match_info.route.resource
     return "other" if resource is None or resource.name == _UNKNOWN_NAME else (
         resource.canonical)
-
-
-def forwarded(request: web.Request) -> bool:
-    """Whether a serving process passed `request` on (it came over the private socket)."""
-    private = request.app[PRIVATE]
-    return private is not None and request.transport is not None and (
-        request.transport.get_extra_info("sockname") == private)
 
 
 async def _answer(request: web.Request, handler: Handler, route: str) -> web.StreamResponse:
@@ -1021,7 +1021,7 @@ class Primary:
 
 PRIMARY = web.AppKey("primary", Primary)
 FORWARDER: web.AppKey[Handler] = web.AppKey("forwarder")
-UPSTREAM = web.RequestKey("upstream", bool)  # the primary answered it (a serving process)
+UPSTREAM = web.RequestKey("upstream", bool)  # the primary saw it, and counts it
 # Headers about one connection, not the request: never passed on (RFC 9110 7.6.1).
 _HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
@@ -1038,6 +1038,8 @@ async def forward(request: web.Request) -> web.StreamResponse:
     came (method, path and query, headers, the body as it arrives), and the primary's
     answer passed back as it comes. An answer cut short is cut short here too (the
     connection is aborted), never completed."""
+    if not request.rel_url.raw_path.startswith("/"):
+        return await unknown(request)  # `OPTIONS *`: no path to pass on, none to find
     upstream = request.app[PRIMARY]
     body = request.content.iter_chunked(1 << 16) if request.body_exists else None
     try:
@@ -1053,7 +1055,10 @@ async def forward(request: web.Request) -> web.StreamResponse:
     except aiohttp.ClientError as e:
         cut = request.content.exception()
         if cut is not None:
-            raise cut from None  # the client's body failed (408, or it hung up): not sent
+            # The client hung up mid-body: the primary sees its request cut too, and
+            # counts it. Nothing was done.
+            request[UPSTREAM] = True
+            raise cut from None
         raise DaemonUnavailable(
             "the daemon's primary process went away while asked",
             f"{type(e).__name__}: {e}; whether it did what was asked is not known: look"

@@ -39,7 +39,7 @@ from cmroot.server.app import (
     Service,
     create_app,
     error_response,
-    forwarded,
+    passes_on,
 )
 from cmroot.server.auth import Tokens, unix_peer_uid
 from cmroot.server.rundir import RunDir
@@ -336,13 +336,11 @@ class _Listener:
     @web.middleware
     async def watch_body(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Cuts the read of a request body that stalls or trickles (see _StallWatch)."""
-        # What a serving process passes on comes as fast as its client sends it, and
-        # the serving process cuts a client that stalls: given longer here, so that the
-        # cut is made (and counted) once, there, not raced by this one.
-        timeout = self.body_timeout * (2 if forwarded(request) else 1)
+        # A body a serving process passes on reaches the primary as fast as its client
+        # sends it: the primary's watch cuts it there, answers 408 and counts it once.
         watch = (
-            None if request.content.is_eof()
-            else _StallWatch(request.content, request.protocol, timeout)
+            None if request.content.is_eof() or passes_on(request)
+            else _StallWatch(request.content, request.protocol, self.body_timeout)
         )
         try:
             return await handler(request)
@@ -650,7 +648,7 @@ async def _run(
     hup = asyncio.Event()  # a reload asked for meanwhile is made once all has started
     loop.add_signal_handler(signal.SIGHUP, hup.set)
     primary = None if rundir is None else os.path.join(rundir, PRIMARY_SOCKET)
-    app = create_app(service, config.server.max_body, private=primary)
+    app = create_app(service, config.server.max_body)
     runner, listener, server, tls = await _listen(config, app, rundir is not None)
     workers: Workers | None = None
     inner: asyncio.AbstractServer | None = None

@@ -125,8 +125,8 @@ def connect_to(d: Daemon, pid: int) -> socket.socket:
 # answer for targets that do not start with "/"), or set the expect handler of the
 # router's not-found match (a subclass of UrlDispatcher whose resolve() returns a
 # MatchInfoError wrapping _expect).
-@pytest.mark.xfail(strict=True, reason="odd Expect on a %0A path or `*` is text/plain 417, "
-                   "counted nowhere (catch-all regex misses it)")
+# Fixed: the catch-all route's resource (app._Anything) matches every target; a serving
+# process answers `*` itself (app.forward: no path to pass on).
 def test_break_an_odd_expectation_on_any_target_is_a_counted_json_417(two: Daemon) -> None:
     targets = (b"GET /v1/a%0Ab", b"POST /v1/events%0A", b"OPTIONS *")
     before = settled(two)
@@ -141,6 +141,28 @@ def test_break_an_odd_expectation_on_any_target_is_a_counted_json_417(two: Daemo
     assert kinds == {(417, "application/json"): len(targets) * (N // 4)}, kinds
     assert counted == len(targets) * (N // 4), counted
 
+
+
+@pytest.mark.parametrize("name", ["one", "two"])
+def test_a_target_no_path_pattern_matches_is_a_counted_json_404(
+    name: str, request: pytest.FixtureRequest,
+) -> None:
+    """`OPTIONS *` and a path with a decoded newline, on a single process and through
+    both processes of two: the JSON 404 of any unknown path, each counted once."""
+    d: Daemon = request.getfixturevalue(name)
+    targets = (b"GET /v1/a%0Ab", b"OPTIONS *", b"DELETE /v1/events%0A")
+    before = settled(d)
+    kinds: Counter[tuple[int, str]] = Counter()
+    for target in targets:
+        for _ in range(N // 4):
+            raw = exchange(d, target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n" + auth_line(d)
+                           + b"Content-Length: 0\r\nConnection: close\r\n\r\n")
+            status, headers, body = answer(raw)
+            kinds[status, headers.get("content-type", "").split(";")[0]] += 1
+            assert json.loads(body)["error"] == "Not Found", body
+    assert kinds == {(404, "application/json"): len(targets) * (N // 4)}, kinds
+    assert settled(d) - before == len(targets) * (N // 4)
+    assert d.errors() == []
 
 # Workers._watch measures a serving process's silence with the primary's own loop clock,
 # which runs on while the whole daemon is stopped: Ctrl-Z then `fg` on `cmroot serve` in
@@ -184,8 +206,8 @@ def test_break_a_frozen_daemon_keeps_its_healthy_serving_process(grouped: Groupe
 # sake, sends a marker the primary can see: a header of the forwarded request such as
 # `X-Cmroot-Counted-Upstream: cut`, checked when the cut arrives, or a chunk-level
 # abort it recognises); a plain EOF from a dead serving process stays the primary's.
-@pytest.mark.xfail(strict=True, reason="a forwarded request whose serving process is killed "
-                   "mid-body is counted by no process")
+# Fixed: the primary counts every request it is asked, cut ones included; a serving
+# process counts only what it refused before asking (app._errors, app.forward).
 def test_break_a_forwarded_request_of_a_killed_serving_process_is_counted(
     make_daemon: MakeDaemon,
 ) -> None:
