@@ -131,7 +131,8 @@ class Journal:
                 # journal committed by an earlier version may still name copied sources.
                 for it in items:
                     if it.method == Method.COPY and it.ident is not None:
-                        if not sessions.open(it.root).remove_if_unchanged(it.rel, it.ident):
+                        session = sessions.open(it.root)
+                        if not session.remove_if_unchanged(it.rel, it.ident, take_tag(txid, it)):
                             log.warning(
                                 "recycled copy's source changed since; left in place",
                                 extra={"path": it.key, "txid": txid},
@@ -224,6 +225,12 @@ class Journal:
             self.layout.unlink_staged(it.staged)  # the source never left (a take's copy
             # was never whole)
             return FileState.STAGED_BY_COPY
+        if it.method == Method.TAKE and it.ident is not None and session.take_back(
+            it.rel, it.ident, take_tag(txid, it)
+        ):
+            # Died between moving its source aside and removing it: that file is back.
+            self.layout.unlink_staged(it.staged)
+            return FileState.PLANNED
         # A rename, or a take whose copy was whole: the source may be gone. It goes back
         # unless its path holds other bytes now (then the old ones are kept, displaced).
         if self.layout.put_back(session, it.rel, it.staged):
@@ -382,6 +389,11 @@ def entries_of(
         )
         for it in items
     ]
+
+
+def take_tag(txid: str, it: Item) -> str:
+    """What names a take's file while its source is set aside (Session.remove_if_unchanged)."""
+    return f"{txid}-{it.seq}"
 
 
 def partition_of(path: str, partitions: Sequence[dict[str, str]]) -> dict[str, str] | None:

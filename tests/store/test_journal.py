@@ -308,6 +308,93 @@ def test_a_take_never_removes_a_file_renamed_over_its_source_after_the_check(
     assert sorted(os.listdir(Path(victim).parent)) == sorted(Path(p).name for p in files)
 
 
+def _aside(env: Env) -> list[str]:
+    """Hidden names a take left in the warehouse."""
+    return [n for _, _, names in os.walk(env.warehouse) for n in names
+            if n.startswith(".cmroot-take-")]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_take_killed_with_its_source_aside_puts_that_file_back(
+    bind_mounted_warehouse: Env, k: int
+) -> None:
+    """A take renames its source aside, checks it there, then removes it. Killed between
+    the rename and the removal, the next open finds the file under the take's name (the
+    transaction's and the file's) and returns it to its path: every file back with its
+    bytes, nothing hidden left in the table, no event."""
+    env = bind_mounted_warehouse
+    files = make_table(env.warehouse, "db", "t", [{"p": "1"}], files_per_partition=4)
+    names = sorted(os.listdir(Path(sorted(files)[0]).parent))
+    store = env.open()
+    faults.arm("source.taken_aside", k, crash=True)
+    with pytest.raises(faults.Crash):
+        store.recycle(RecycleRequest(paths=sorted(files), op="DROP_TABLE", db="db", table="t"))
+    store.close()
+    assert len(_aside(env)) == 1  # the crash left it there
+    reopened = env.open()
+    assert {p: Path(p).read_bytes() for p in files} == files
+    assert _aside(env) == [] and sorted(os.listdir(Path(sorted(files)[0]).parent)) == names
+    assert reopened.events(0, 10) == [] and index_counts(env)["entries"] == 0
+    assert reopened.fsck().clean
+
+
+def test_a_take_killed_with_a_writers_file_aside_puts_the_writers_file_back(
+    bind_mounted_warehouse: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer renames a new file over the source between the take's check and its
+    rename; the take moves that file aside and dies there. The next open puts the
+    writer's file back at the path (never the old bytes over it, never hidden) and drops
+    the copy of the old ones, which the writer, not the recycle, replaced."""
+    from cmroot_testlib import on_point
+
+    env = bind_mounted_warehouse
+    files = make_table(env.warehouse, "db", "t", [{}], files_per_partition=2)
+    victim = sorted(files)[0]
+    new = b"a writer's new file, renamed into place"
+
+    def writer() -> None:
+        tmp = Path(victim).with_name("_tmp")
+        tmp.write_bytes(new)
+        os.replace(tmp, victim)
+
+    store = env.open()
+    on_point(monkeypatch, "source.take_checked", writer)
+    faults.arm("source.taken_aside", crash=True)
+    with pytest.raises(faults.Crash):
+        store.recycle(RecycleRequest(paths=sorted(files), op="DROP_TABLE", db="db", table="t"))
+    store.close()
+    monkeypatch.undo()
+    reopened = env.open()
+    assert Path(victim).read_bytes() == new
+    assert {p: Path(p).read_bytes() for p in files if p != victim} == {
+        p: d for p, d in files.items() if p != victim}
+    assert _aside(env) == [] and sorted(os.listdir(Path(victim).parent)) == sorted(
+        Path(p).name for p in files)
+    assert reopened.events(0, 10) == [] and index_counts(env)["entries"] == 0
+
+
+def test_a_take_killed_aside_whose_path_is_re_created_keeps_the_old_bytes(
+    bind_mounted_warehouse: Env,
+) -> None:
+    """Killed with its source aside; a writer then creates a new file at the path. The
+    next open leaves the new file, keeps the old bytes in the store (retrievable, no
+    event: no replica may replay a drop that did not happen) and nothing hidden."""
+    env = bind_mounted_warehouse
+    files = make_table(env.warehouse, "db", "t", [{}], files_per_partition=2)
+    store = env.open()
+    faults.arm("source.taken_aside", crash=True)
+    with pytest.raises(faults.Crash):
+        store.recycle(RecycleRequest(paths=sorted(files), op="DROP_TABLE", db="db", table="t"))
+    store.close()
+    [taken] = [p for p in files if not os.path.exists(p)]
+    Path(taken).write_bytes(b"re-created after the crash")
+    reopened = env.open()
+    assert Path(taken).read_bytes() == b"re-created after the crash"
+    assert _aside(env) == []
+    assert reopened.events(0, 10) == []
+    assert [e.path for e in reopened.entries(limit=10)] == [taken]
+    assert_retrievable(reopened, {taken: files[taken]}, status="cmroot")
+
 def test_a_take_leaves_nothing_aside(env: Env, store: Store,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     files = make_table(env.warehouse, "db", "t", [{"p": "1"}], files_per_partition=3)

@@ -62,9 +62,17 @@ class Session(ABC):
         `rel` now holds other bytes (the caller keeps the staged file)."""
 
     @abstractmethod
-    def remove_if_unchanged(self, rel: str, ident: str) -> bool:
-        """Remove the file at `rel` if its identity is still `ident` (a copied source,
-        after commit). False if it was changed or is gone."""
+    def remove_if_unchanged(self, rel: str, ident: str, tag: str) -> bool:
+        """Remove the file at `rel` if its identity is still `ident` (a copied source).
+        False if it was changed or is gone. `tag` names the transaction's file: a source
+        that can only check, then remove, keeps what it checks under it meanwhile, and a
+        try after a crash resumes from there."""
+
+    def take_back(self, rel: str, ident: str, tag: str) -> bool:
+        """After a take of `rel` (tagged `tag`) died between its check and its removal:
+        put back what it had moved aside. True if `rel` is settled by that (the caller
+        drops its copy); False if nothing was aside (the caller puts its copy back)."""
+        return False
 
     @abstractmethod
     def remove_empty_dirs(self, rel: str, keep: Callable[[str], bool]) -> None:

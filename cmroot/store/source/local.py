@@ -12,7 +12,6 @@ import logging
 import os
 import stat
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -52,7 +51,23 @@ def identity(st: os.stat_result) -> str:
     return ident_str(ident_of(st))
 
 
-_TAKE = ".cmroot-take-"  # the hidden name a take moves its source to before the check
+# The hidden name a take moves its source to before the check, ended by the caller's tag
+# (transaction and file): a crash that leaves it there, the rollback or the next try of
+# the same take finds it by that name.
+_TAKE = ".cmroot-take-"
+
+
+def _same_file(st: os.stat_result, ident: str) -> bool:
+    """Whether `st` is the file whose identity was `ident`, but for its ctime (which a
+    rename changes)."""
+    return identity(st).rpartition(":")[0] == ident.rpartition(":")[0]
+
+
+def _lstat(name: str, pfd: int) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=pfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
 
 
 def _return_beside(src: str, name: str, pfd: int, tag: str, rel: str, what: str) -> None:
@@ -291,9 +306,12 @@ class LocalSession(Session):
         finally:
             os.close(fd)
 
-    def remove_if_unchanged(self, rel: str, ident: str) -> bool:
+    def remove_if_unchanged(self, rel: str, ident: str, tag: str) -> bool:
+        aside = f"{_TAKE}{tag}"
         try:
             pfd, name = self._parent(rel)
+            if _lstat(aside, pfd) is not None:  # an earlier try died with it aside
+                return self._settle_aside(pfd, name, aside, ident, rel)
             st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
         except OSError as e:
             if e.errno in (errno.ENOENT, errno.ENOTDIR) or confined.is_escape(e):
@@ -305,23 +323,48 @@ class LocalSession(Session):
         # Take exactly the file checked: unlink has no condition, so whatever is at the
         # name now (a writer may have renamed a new file over it since) is first renamed
         # aside, atomically, and looked at there. Only the file copied is removed.
-        aside = f"{_TAKE}{uuid.uuid4().hex}"
         try:
             os.rename(name, aside, src_dir_fd=pfd, dst_dir_fd=pfd)
         except FileNotFoundError:
             return False
-        moved = os.stat(aside, dir_fd=pfd, follow_symlinks=False)
-        # The rename itself changed its ctime: the inode and content stamps say whether
-        # it is the file checked.
-        if (moved.st_dev, moved.st_ino, moved.st_size, moved.st_mtime_ns) == (
-            st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-        ):
+        faults.point("source.taken_aside")
+        return self._settle_aside(pfd, name, aside, ident, rel)
+
+    def _settle_aside(self, pfd: int, name: str, aside: str, ident: str, rel: str) -> bool:
+        """Remove what a take moved aside if it is the file copied (True); anything else
+        (a writer's file, renamed over the name before the take's rename) goes back."""
+        if _same_file(os.stat(aside, dir_fd=pfd, follow_symlinks=False), ident):
             os.unlink(aside, dir_fd=pfd)
             return True
-        # Not the file copied: it goes back.
         _return_beside(f"/proc/self/fd/{pfd}/{aside}", name, pfd, aside[len(_TAKE):], rel,
                        "a file written during a take")
         return False
+
+    def take_back(self, rel: str, ident: str, tag: str) -> bool:
+        try:
+            pfd, name = self._parent(rel)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR) or confined.is_escape(e):
+                return False
+            raise
+        aside = f"{_TAKE}{tag}"
+        moved = _lstat(aside, pfd)
+        if moved is None:
+            return False
+        if not _same_file(moved, ident):
+            # A writer's file the take found at the name and put aside: it goes back; the
+            # file copied was gone before the take.
+            _return_beside(f"/proc/self/fd/{pfd}/{aside}", name, pfd, tag, rel,
+                           "a file written during a take")
+            return True
+        try:
+            confined.rename_noreplace(f"/proc/self/fd/{pfd}/{aside}", name, pfd)
+        except FileExistsError:
+            # Its name was re-created since: the copy staged in the store has these bytes
+            # and the caller's put-back, finding the name taken, keeps them there.
+            os.unlink(aside, dir_fd=pfd)
+            return False
+        return True
 
     def remove_empty_dirs(self, rel: str, keep: Callable[[str], bool]) -> None:
         try:
