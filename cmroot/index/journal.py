@@ -79,6 +79,16 @@ class JournalTables(Catalog, EventLog):
                 (TxState.PREPARED.value, lease, txid),
             )
 
+    def take_key(self) -> bytes:
+        """A random key of this index, made at its first use and never shown: what makes
+        the name a take hides a source under (store.journal.take_tag) one no warehouse
+        writer can guess and plant a file at."""
+        with self.transaction() as db:
+            db.execute("INSERT OR IGNORE INTO settings VALUES"
+                       " ('take_key', lower(hex(randomblob(16))))")
+            row = db.execute("SELECT value FROM settings WHERE key = 'take_key'").fetchone()
+        return bytes.fromhex(row[0])
+
     def journal_copied(self, txid: str, seq: int, checksum: str, size: int, ident: str) -> None:
         """One file's copy is complete and verified (checksum, size, the identity of the
         source copied): recorded before a take removes the source, so a rollback knows

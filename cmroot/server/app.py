@@ -15,14 +15,14 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import aiohttp
 import msgspec
-from aiohttp import hdrs, web
+from aiohttp import StreamReader, hdrs, web
 from aiohttp.web_urldispatcher import _default_expect_handler
 from multidict import CIMultiDict
 from prometheus_client import (
@@ -290,6 +290,8 @@ def _close_result(cf: Future[Verified]) -> None:
 
 
 SERVICE = web.AppKey("service", Service)
+# The private socket's path on a primary with serving processes (create_app's `private`).
+PRIVATE: web.AppKey[str | None] = web.AppKey("private")
 # The route of targets the API has not (a serving process passes them on, the primary
 # answers 404 or 405), and how many requests a serving process holds at once while the
 # primary answers them.
@@ -322,15 +324,17 @@ def _file_headers(checksum: str, status: str) -> dict[str, str]:
     }
 
 
-def create_app(service: Service, max_body: int, primary: Primary | None = None
-               ) -> web.Application:
+def create_app(service: Service, max_body: int, primary: Primary | None = None,
+               private: str | None = None) -> web.Application:
     """The API over `service`. Given `primary` (the primary process, on its private
     socket), the app of a serving process: GET/HEAD /v1/files, POST /v1/resolve and
     /healthz are answered here, from a read-only store; every other request goes to the
     primary (`forward`) under the same route, and the primary answers it: writes, the
-    sweep, the metrics of all processes."""
+    sweep, the metrics of all processes. Given `private`, the app of a primary whose
+    serving processes reach it on that socket path."""
     app = web.Application(client_max_size=max_body, middlewares=[_errors, _guard])
     app[SERVICE] = service
+    app[PRIVATE] = private
     r = app.router
     forwarder: Handler | None = None
     if primary is not None:
@@ -449,6 +453,13 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 def passes_on(request: web.Request) -> bool:
     """Whether this (serving) process passes `request` to the primary."""
     return request.match_info.route.handler is request.app.get(FORWARDER)
+
+
+def forwarded(request: web.Request) -> bool:
+    """Whether a serving process passed `request` on (it came over the private socket)."""
+    private = request.app[PRIVATE]
+    return private is not None and request.transport is not None and (
+        request.transport.get_extra_info("sockname") == private)
 
 
 def _route_name(request: web.Request) -> str:
@@ -1041,7 +1052,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
     if not request.rel_url.raw_path.startswith("/"):
         return await unknown(request)  # `OPTIONS *`: no path to pass on, none to find
     upstream = request.app[PRIMARY]
-    body = request.content.iter_chunked(1 << 16) if request.body_exists else None
+    body = _passed_on(request.content) if request.body_exists else None
     try:
         answer = await upstream.session().request(
             request.method, upstream.url(request.rel_url), headers=_end_to_end(request.headers),
@@ -1078,6 +1089,15 @@ async def forward(request: web.Request) -> web.StreamResponse:
             raise ConnectionResetError("the primary's answer was cut short") from None
         await resp.write_eof()
     return resp
+
+
+async def _passed_on(content: StreamReader) -> AsyncIterator[bytes]:
+    """The client's body as it arrives, after an empty first piece: that sends the
+    request's headers at once (aiohttp's client would hold them for the first body
+    byte), so that the primary sees, watches and counts a body that never starts."""
+    yield b""
+    async for chunk in content.iter_chunked(1 << 16):
+        yield chunk
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -39,7 +39,7 @@ from cmroot.server.app import (
     Service,
     create_app,
     error_response,
-    passes_on,
+    forwarded,
 )
 from cmroot.server.auth import Tokens, unix_peer_uid
 from cmroot.server.rundir import RunDir
@@ -336,11 +336,14 @@ class _Listener:
     @web.middleware
     async def watch_body(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Cuts the read of a request body that stalls or trickles (see _StallWatch)."""
-        # A body a serving process passes on reaches the primary as fast as its client
-        # sends it: the primary's watch cuts it there, answers 408 and counts it once.
+        # A serving process cuts a client whose body stalls (408) before the primary, to
+        # which it passes that body as it comes, would: the primary waits twice as long,
+        # so that it does not answer (and close) first while bytes of it are still on the
+        # way. It sees the cut, and counts the request, all the same.
+        timeout = self.body_timeout * (2 if forwarded(request) else 1)
         watch = (
-            None if request.content.is_eof() or passes_on(request)
-            else _StallWatch(request.content, request.protocol, self.body_timeout)
+            None if request.content.is_eof()
+            else _StallWatch(request.content, request.protocol, timeout)
         )
         try:
             return await handler(request)
@@ -648,7 +651,7 @@ async def _run(
     hup = asyncio.Event()  # a reload asked for meanwhile is made once all has started
     loop.add_signal_handler(signal.SIGHUP, hup.set)
     primary = None if rundir is None else os.path.join(rundir, PRIMARY_SOCKET)
-    app = create_app(service, config.server.max_body)
+    app = create_app(service, config.server.max_body, private=primary)
     runner, listener, server, tls = await _listen(config, app, rundir is not None)
     workers: Workers | None = None
     inner: asyncio.AbstractServer | None = None

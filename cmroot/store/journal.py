@@ -30,6 +30,8 @@ the others go on."""
 
 from __future__ import annotations
 
+import functools
+import hmac
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -84,6 +86,16 @@ class Journal:
         self.objects = objects
         self.warehouse = warehouse
 
+    @functools.cached_property
+    def _take_key(self) -> bytes:
+        return self.index.take_key()
+
+    def take_tag(self, txid: str, it: Item) -> str:
+        """The name a take hides file `it`'s source under between its check and its
+        removal (Session.remove_if_unchanged): the rollback finds it again by this name,
+        which no writer can guess (keyed) to plant a file there."""
+        return hmac.new(self._take_key, f"{txid}/{it.seq}".encode(), "sha256").hexdigest()[:32]
+
     # -- the forward path's records ------------------------------------------------------
     def begin(
         self, txid: str, now: float, mode: Mode, request: dict[str, Any], dirs: Sequence[str],
@@ -132,7 +144,9 @@ class Journal:
                 for it in items:
                     if it.method == Method.COPY and it.ident is not None:
                         session = sessions.open(it.root)
-                        if not session.remove_if_unchanged(it.rel, it.ident, take_tag(txid, it)):
+                        if not session.remove_if_unchanged(
+                            it.rel, it.ident, self.take_tag(txid, it), resumed=True
+                        ):
                             log.warning(
                                 "recycled copy's source changed since; left in place",
                                 extra={"path": it.key, "txid": txid},
@@ -226,7 +240,7 @@ class Journal:
             # was never whole)
             return FileState.STAGED_BY_COPY
         if it.method == Method.TAKE and it.ident is not None and session.take_back(
-            it.rel, it.ident, take_tag(txid, it)
+            it.rel, it.ident, self.take_tag(txid, it)
         ):
             # Died between moving its source aside and removing it: that file is back.
             self.layout.unlink_staged(it.staged)
@@ -389,11 +403,6 @@ def entries_of(
         )
         for it in items
     ]
-
-
-def take_tag(txid: str, it: Item) -> str:
-    """What names a take's file while its source is set aside (Session.remove_if_unchanged)."""
-    return f"{txid}-{it.seq}"
 
 
 def partition_of(path: str, partitions: Sequence[dict[str, str]]) -> dict[str, str] | None:

@@ -47,7 +47,7 @@ from cmroot.exceptions import (
     StoreFull,
 )
 from cmroot.index import Entry, Event, Index, PendingTx
-from cmroot.store.journal import Item, Journal, Sessions, entries_of, take_tag
+from cmroot.store.journal import Item, Journal, Sessions, entries_of
 from cmroot.store.layout import Layout
 from cmroot.store.objects import Objects
 from cmroot.store.source import Session
@@ -503,7 +503,7 @@ class Recycler:
         assert it.ident is not None
         self.journal.copied(txid, it)
         faults.point("recycle.copy_journaled")
-        if not session.remove_if_unchanged(it.rel, it.ident, take_tag(txid, it)):
+        if not session.remove_if_unchanged(it.rel, it.ident, self.journal.take_tag(txid, it)):
             # Not taken (a writer changed or removed it): the copy goes first, so that no
             # rollback puts back a file this recycle never removed.
             self.layout.unlink_staged(it.staged)

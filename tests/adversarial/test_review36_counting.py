@@ -18,8 +18,8 @@ it; a body that starts after server.keepalive_timeout but within server.body_tim
 Every check counts requests (cmroot_http_requests_total, summed, /metrics scrapes left
 out) before and after.
 
-`test_break_*` are the breaks found (strict xfails; the comment above each says what
-breaks, where, and a fix); the others are attacks that held."""
+`test_break_*` are the breaks found (all fixed since; the comment above each says what
+broke, where, and the fix); the others are attacks that held."""
 
 from __future__ import annotations
 
@@ -192,8 +192,8 @@ def queue_depth(d: Daemon, name: str) -> float:
 # a body generator that yields b"" first (StreamWriter.write(b"") flushes _headers_buf),
 # or keep the serving process's _StallWatch until the first body byte has been passed on
 # (then leave the rest to the primary).
-@pytest.mark.xfail(strict=True, reason="a forwarded body that stalls before its first byte "
-                   "gets a 503 at keepalive_timeout, not a 408 at body_timeout")
+# Fixed: app.forward sends the head at once (_passed_on yields b"" first), and the
+# serving process watches its client's body again (main.watch_body): a 408 at body_timeout.
 def test_break_a_body_stalled_before_its_first_byte_is_a_408(two: Two) -> None:
     d = two.d
     before = settled(d)
@@ -229,8 +229,7 @@ def test_break_a_body_stalled_before_its_first_byte_is_a_408(two: Two) -> None:
 # Fix: as above (the head sent before the first body byte, so the primary does see the
 # request and counts its 499); failing that, set UPSTREAM only once the head is known to
 # be sent.
-@pytest.mark.xfail(strict=True, reason="a client gone before its first body byte on a "
-                   "forwarded route is counted by no process")
+# Fixed: the head reaches the primary at once, which sees the cut and counts it.
 def test_break_a_client_gone_before_its_first_body_byte_is_counted(two: Two) -> None:
     d = two.d
     before = settled(d)
@@ -247,8 +246,7 @@ def test_break_a_client_gone_before_its_first_body_byte_is_counted(two: Two) -> 
 # never sent), the serving process is dead: counted by no process. Once the head is sent
 # at once (the fix above), the primary sees its upstream request cut and counts a 499,
 # as it does for a serving process killed mid-body (review 35).
-@pytest.mark.xfail(strict=True, reason="a forwarded request of a killed serving process "
-                   "whose body had not started is counted by no process")
+# Fixed: the head reaches the primary at once, which sees the cut and counts it.
 def test_break_a_killed_serving_process_request_without_body_is_counted(
     make_daemon: MakeDaemon,
 ) -> None:
@@ -277,8 +275,8 @@ def test_break_a_killed_serving_process_request_without_body_is_counted(
 # body timeout 3 s, the body 1.5 s after the head; with the defaults (15 s each) it takes
 # a body that starts 10-15 s late (a pooled upstream connection has idled up to 5 s).
 # Fix: the one of the first break.
-@pytest.mark.xfail(strict=True, reason="a body that starts after keepalive_timeout but "
-                   "within body_timeout is a 503 through a serving process")
+# Fixed: the head reaches the primary at once: it waits on the body, not on a new
+# request, so no keep-alive timer closes the connection.
 def test_break_a_late_but_timely_body_is_answered_through_a_serving_process(
     make_daemon: MakeDaemon,
 ) -> None:
@@ -320,8 +318,9 @@ def test_break_a_late_but_timely_body_is_answered_through_a_serving_process(
 # ClientOSError while the body was still being written, should read the answer already
 # sent (and treat the request as UPSTREAM when one came). The serving process must then
 # drop its client's body (see the lingering break below).
-@pytest.mark.xfail(strict=True, reason="a trickled forwarded body is sometimes a 503 "
-                   "(EPIPE on the closed upstream), counted twice")
+# Fixed: the serving process's own watch cuts the trickle first (the primary waits
+# twice server.body_timeout for a forwarded body), so the primary never closes on bytes
+# still on the way; it sees the cut and counts the request once (as 499: see README).
 def test_break_a_trickled_forwarded_body_is_a_408_counted_once(two: Two) -> None:
     d = two.d
     before = settled(d)
@@ -373,8 +372,7 @@ def test_break_a_trickled_forwarded_body_is_a_408_counted_once(two: Two) -> None
 # it is the primary's 408 (or any answer, with request.content not at EOF and its read
 # cut), call request.protocol.drop_body() (a main._Connection) before returning, as the
 # watch did.
-@pytest.mark.xfail(strict=True, reason="a serving process lingers 10 s on the connection "
-                   "of a stalled body after passing back its 408")
+# Fixed: the serving process's watch cuts the body and drops it (no lingering read).
 def test_break_a_serving_process_closes_a_cut_connection_after_its_408(two: Two) -> None:
     d = two.d
     for pid in (two.primary, two.worker):
@@ -400,9 +398,9 @@ def test_break_a_serving_process_closes_a_cut_connection_after_its_408(two: Two)
 # -- what held --------------------------------------------------------------------------
 
 def test_a_stalled_body_with_expect_100_continue_is_a_408_once(two: Two) -> None:
-    """`Expect: 100-continue` makes aiohttp's client send the head at once: the primary's
-    watch cuts the stall, its JSON 408 is passed back (after the serving process's own 100
-    Continue), counted once; the connection then serves the client's next request."""
+    """`Expect: 100-continue` makes aiohttp's client send the head at once: the stall is
+    cut, a JSON 408 answers it (after the serving process's own 100 Continue), counted
+    once, and the connection is closed at once, as a single process closes it."""
     d = two.d
     before = settled(d)
     s = connect_to(d, two.worker)
@@ -410,14 +408,11 @@ def test_a_stalled_body_with_expect_100_continue_is_a_408_once(two: Two) -> None
         s.sendall(head(d, b"Expect: 100-continue\r\nContent-Length: 10\r\n\r\n"))
         [a] = read_answers(s, timeout=BODY_TIMEOUT + 5)
         assert a.kind == (408, "application/json") and a.at < BODY_TIMEOUT + SLACK, a
-        # The rest of the cut body, then a second request on the same connection.
-        s.sendall(b"{}" + b" " * 8 + b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                  b"Connection: close\r\n\r\n")
-        [b] = read_answers(s, timeout=5)
-        assert b.status == 200, b
+        s.settimeout(2)
+        assert s.recv(100) == b""
     finally:
         s.close()
-    assert settled(d) - before == 2
+    assert settled(d) - before == 1
 
 
 def test_a_client_gone_after_100_continue_is_counted_once(two: Two) -> None:

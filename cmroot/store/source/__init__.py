@@ -62,16 +62,18 @@ class Session(ABC):
         `rel` now holds other bytes (the caller keeps the staged file)."""
 
     @abstractmethod
-    def remove_if_unchanged(self, rel: str, ident: str, tag: str) -> bool:
+    def remove_if_unchanged(self, rel: str, ident: str, tag: str, resumed: bool = False
+                            ) -> bool:
         """Remove the file at `rel` if its identity is still `ident` (a copied source).
-        False if it was changed or is gone. `tag` names the transaction's file: a source
-        that can only check, then remove, keeps what it checks under it meanwhile, and a
-        try after a crash resumes from there."""
+        False if it was changed or is gone. `tag` (secret) names the transaction's file: a
+        source that can only check, then remove, keeps what it checks under it meanwhile,
+        and a `resumed` try (after a crash) starts from there."""
 
     def take_back(self, rel: str, ident: str, tag: str) -> bool:
         """After a take of `rel` (tagged `tag`) died between its check and its removal:
-        put back what it had moved aside. True if `rel` is settled by that (the caller
-        drops its copy); False if nothing was aside (the caller puts its copy back)."""
+        what it had moved aside goes back. True if that was the file copied, now back at
+        `rel` (the caller drops its copy); False otherwise (the caller puts its copy back,
+        or keeps it in the store if `rel` holds other bytes)."""
         return False
 
     @abstractmethod

@@ -306,11 +306,12 @@ class LocalSession(Session):
         finally:
             os.close(fd)
 
-    def remove_if_unchanged(self, rel: str, ident: str, tag: str) -> bool:
+    def remove_if_unchanged(self, rel: str, ident: str, tag: str, resumed: bool = False
+                            ) -> bool:
         aside = f"{_TAKE}{tag}"
         try:
             pfd, name = self._parent(rel)
-            if _lstat(aside, pfd) is not None:  # an earlier try died with it aside
+            if resumed and _lstat(aside, pfd) is not None:  # the try before died there
                 return self._settle_aside(pfd, name, aside, ident, rel)
             st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
         except OSError as e:
@@ -352,11 +353,12 @@ class LocalSession(Session):
         if moved is None:
             return False
         if not _same_file(moved, ident):
-            # A writer's file the take found at the name and put aside: it goes back; the
-            # file copied was gone before the take.
+            # What the take found at the name and put aside (a writer's file renamed over
+            # the source after the check) goes back; the copy of the old bytes is kept
+            # all the same (the caller finds the name taken).
             _return_beside(f"/proc/self/fd/{pfd}/{aside}", name, pfd, tag, rel,
                            "a file written during a take")
-            return True
+            return False
         try:
             confined.rename_noreplace(f"/proc/self/fd/{pfd}/{aside}", name, pfd)
         except FileExistsError:

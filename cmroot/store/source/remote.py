@@ -179,7 +179,8 @@ class RemoteSession(Session):
             return False
         return there == cks.of_local_file(staged)
 
-    def remove_if_unchanged(self, rel: str, ident: str, tag: str) -> bool:
+    def remove_if_unchanged(self, rel: str, ident: str, tag: str, resumed: bool = False
+                            ) -> bool:
         path = self.source.path(rel)
         try:
             if identity(fresh_info(self.fs, path)) != ident:
