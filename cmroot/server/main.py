@@ -209,6 +209,7 @@ class _Connection(web.RequestHandler):
     client errors rather than logged as daemon faults."""
 
     metrics: Metrics  # the app's: a refused request is counted like any other
+    private = False  # on the primary's private socket (a serving process's connection)
 
     def idle(self) -> bool:
         """Waiting for a request, none arrived, nothing left to send. aiohttp's loop parks
@@ -280,11 +281,26 @@ class _Listener:
         conns = server.connections
         if len(conns) >= self.cap:
             # A batch at a time keeps the scan of every connection rare.
-            idle = [h for h in conns if isinstance(h, _Connection) and h.idle()]
+            idle = [h for h in conns if isinstance(h, _Connection) and not h.private
+                    and h.idle()]
             for h in idle[: max(1, self.cap // 16)]:
                 h.force_close()
             if not idle:
                 return _Busy()
+        return self._connection(server)
+
+    def private(self) -> asyncio.BaseProtocol:
+        """A connection of the private socket: never refused at the cap (each serving
+        process bounds what it passes on, FORWARD; a refusal there would be a 503 its
+        client was already admitted for), never closed as idle (the serving process's
+        pool would send its next request on it as it closes)."""
+        server = self.runner.server
+        assert server is not None, "called only once the runner is set up"
+        conn = self._connection(server)
+        conn.private = True
+        return conn
+
+    def _connection(self, server: web.Server) -> _Connection:
         conn = _Connection(server, loop=asyncio.get_running_loop(), **self.options)
         conn.metrics = self.runner.app[SERVICE].metrics
         return conn
@@ -656,7 +672,7 @@ async def _run(
     workers: Workers | None = None
     inner: asyncio.AbstractServer | None = None
     if rundir is not None and primary is not None:
-        inner = await loop.create_unix_server(listener, path=primary, backlog=BACKLOG)
+        inner = await loop.create_unix_server(listener.private, path=primary, backlog=BACKLOG)
         os.chmod(primary, 0o600)
         port = server.sockets[0].getsockname()[1]
         workers = Workers(config, port, rundir, config.server.processes - 1)
