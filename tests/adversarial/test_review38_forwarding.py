@@ -17,8 +17,8 @@ after the head was passed on, or sent in pieces; POSTs with Content-Length: 0;
 body and more requests pipelined behind; descriptors and forward slots afterwards. Every
 check counts requests (cmroot_http_requests_total, /metrics scrapes left out).
 
-`test_break_*` is a break (a strict xfail; the comment above it says what breaks, where,
-and a fix); the other tests are attacks that held."""
+`test_break_*` is the break found (fixed since; the comment above it says what broke,
+where, and the fix); the other tests are attacks that held."""
 
 from __future__ import annotations
 
