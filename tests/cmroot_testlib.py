@@ -10,6 +10,7 @@ import os
 import random
 import sqlite3
 import stat
+import subprocess
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -301,3 +302,20 @@ def held_at(monkeypatch: pytest.MonkeyPatch, point: str, work: Callable[[], obje
         release.set()
         t.join(60)
     assert not errors, errors
+
+
+@contextmanager
+def bind_mount(real: Path, target: Path) -> Iterator[None]:
+    """`target` as a bind mount of the directory `real` (same st_dev, yet rename() across
+    them fails with EXDEV); the test is skipped where that cannot be made."""
+    if os.geteuid() != 0:
+        pytest.skip("bind mounts need root (mount --bind); run the suite as root to cover it")
+    real.mkdir(exist_ok=True)
+    r = subprocess.run(["mount", "--bind", str(real), str(target)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"mount --bind refused here: {r.stderr.strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(target)], check=False)

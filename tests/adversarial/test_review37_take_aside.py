@@ -41,6 +41,7 @@ from cmroot_testlib import (
     Clock,
     Env,
     assert_retrievable,
+    bind_mount,
     index_counts,
     make_table,
     on_point,
@@ -58,19 +59,9 @@ REPO = str(Path(__file__).resolve().parents[2])
 
 @pytest.fixture
 def bind_mounted_warehouse(env: Env):  # type: ignore[no-untyped-def]
-    """The warehouse root as a bind mount (copied from tests/store/test_journal.py)."""
-    if os.geteuid() != 0:
-        pytest.skip("bind mounts need root (mount --bind)")
-    real = env.base / "real-warehouse"
-    real.mkdir()
-    r = subprocess.run(["mount", "--bind", str(real), str(env.warehouse)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"mount --bind refused here: {r.stderr.strip()}")
-    try:
+    """The warehouse root as a bind mount (as in tests/store/test_journal.py)."""
+    with bind_mount(env.base / "real-warehouse", env.warehouse):
         yield env
-    finally:
-        subprocess.run(["umount", "-l", str(env.warehouse)], check=False)
 
 
 def _hidden(env: Env) -> list[str]:

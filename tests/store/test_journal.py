@@ -14,13 +14,13 @@ as process death would (the SIGKILL versions are in test_crash.py)."""
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 from cmroot_testlib import (
     Env,
     assert_retrievable,
+    bind_mount,
     index_counts,
     make_table,
     object_files,
@@ -174,18 +174,8 @@ def test_a_rollback_never_leaves_a_warehouse_file_sharing_an_inode_with_an_objec
 def bind_mounted_warehouse(env: Env):  # type: ignore[no-untyped-def]
     """The warehouse root as a bind mount of a directory on the store's filesystem: same
     st_dev as the store, yet rename() between them fails with EXDEV."""
-    if os.geteuid() != 0:
-        pytest.skip("bind mounts need root (mount --bind); run the suite as root to cover it")
-    real = env.base / "real-warehouse"
-    real.mkdir()
-    r = subprocess.run(["mount", "--bind", str(real), str(env.warehouse)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"mount --bind refused here: {r.stderr.strip()}")
-    try:
+    with bind_mount(env.base / "real-warehouse", env.warehouse):
         yield env
-    finally:
-        subprocess.run(["umount", "-l", str(env.warehouse)], check=False)
 
 
 def test_recovery_on_a_bind_mount_takes_the_method_from_the_journal(
