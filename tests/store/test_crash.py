@@ -440,6 +440,22 @@ def test_sigkill_with_a_taken_source_aside_is_rolled_back(tmp_path: Path) -> Non
         assert _check_after_crash(e, files, "move") == "rolled back"
         assert not [n for _, _, ns in os.walk(e.warehouse) for n in ns if n.startswith(".")]
 
+@pytest.mark.timeout(300)
+def test_sigkill_while_a_take_is_put_back_leaves_nothing_hidden(tmp_path: Path) -> None:
+    """A move onto a bind-mounted warehouse (every file taken) killed once all are taken;
+    the recovery, putting the copies back across filesystems (a copy, then a link), is
+    killed -9 half way between a copy and its link. The next open puts every file back
+    and leaves no temporary name in the warehouse."""
+    e = _crash_env(tmp_path, "put-back")
+    with bind_mount(tmp_path / "real-warehouse", e.warehouse):
+        path, files, parts = _crash_table(e, 8)
+        assert _run_child(e, path, "move", parts, "recycle.staged") == -signal.SIGKILL
+        point = f"source.put_back_copied@{CRASH_FILES // 2}"
+        assert _run_child(e, None, "move", parts, point) == -signal.SIGKILL
+        assert _check_after_crash(e, files, "move") == "rolled back"
+        assert not [n for _, _, ns in os.walk(e.warehouse) for n in ns if n.startswith(".")]
+
+
 def _check_after_crash(e: Env, files: dict[str, bytes], mode: str) -> str:
     store = Store.open(e.config(), clock=e.clock)  # recovery runs here
     try:

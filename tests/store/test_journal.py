@@ -13,6 +13,8 @@ as process death would (the SIGKILL versions are in test_crash.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 from pathlib import Path
 
@@ -326,6 +328,84 @@ def test_a_take_killed_with_its_source_aside_puts_that_file_back(
     assert _aside(env) == [] and sorted(os.listdir(Path(sorted(files)[0]).parent)) == names
     assert reopened.events(0, 10) == [] and index_counts(env)["entries"] == 0
     assert reopened.fsck().clean
+
+
+def _crash_at_a_take(env: Env, files: dict[str, bytes]) -> list[str]:
+    """A DROP_TABLE of `files` killed (in-process) with its first take's source aside;
+    returns the directories holding an aside."""
+    store = env.open()
+    faults.arm("source.taken_aside", crash=True)
+    with pytest.raises(faults.Crash):
+        store.recycle(RecycleRequest(paths=sorted(files), op="DROP_TABLE", db="db", table="t"))
+    store.close()
+    return [d for d, _, names in os.walk(env.warehouse) for n in names
+            if n.startswith(".cmroot-take-")]
+
+
+def test_a_take_sets_its_source_aside_at_the_top_of_the_root(
+    bind_mounted_warehouse: Env,
+) -> None:
+    """The aside is at the top of the root, which no writer can rename away between the
+    crash and the recovery (a partition directory they can: see review 37)."""
+    env = bind_mounted_warehouse
+    files = make_table(env.warehouse, "db", "t", [{"p": "1"}], files_per_partition=2)
+    assert _crash_at_a_take(env, files) == [str(env.warehouse)]
+    env.open()
+    assert {p: Path(p).read_bytes() for p in files} == files and _aside(env) == []
+
+
+@pytest.mark.parametrize("why", ["sticky root", "partition on another mount"])
+def test_a_take_sets_its_source_aside_in_its_own_directory_where_the_top_cannot_hold_it(
+    bind_mounted_warehouse: Env, tmp_path: Path, why: str
+) -> None:
+    """A sticky root (a file moved there may not be movable out again) or a database
+    directory that is a mount of its own (rename to the top says EXDEV): the aside stays
+    beside the file, and the recovery finds it there."""
+    env = bind_mounted_warehouse
+    with contextlib.ExitStack() as stack:
+        if why == "sticky root":
+            os.chmod(env.warehouse, 0o1777)
+            stack.callback(os.chmod, env.warehouse, 0o755)
+        else:
+            dbdir = table_dir(env.warehouse, "db", "t").parent
+            dbdir.mkdir()
+            stack.enter_context(bind_mount(tmp_path / "real-db", dbdir))
+        files = make_table(env.warehouse, "db", "t", [{"p": "1"}], files_per_partition=2)
+        part = str(Path(sorted(files)[0]).parent)
+        assert _crash_at_a_take(env, files) == [part]
+        reopened = env.open()
+        assert {p: Path(p).read_bytes() for p in files} == files and _aside(env) == []
+        assert reopened.events(0, 10) == [] and index_counts(env)["entries"] == 0
+        env.close_all()
+
+
+def test_a_put_back_across_filesystems_without_o_tmpfile_leaves_nothing_hidden(
+    bind_mounted_warehouse: Env, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Taken files put back by the rollback are copied across filesystems, into an
+    unnamed file (O_TMPFILE) then linked. On a filesystem without O_TMPFILE (NFS; none
+    can be mounted here, so its refusal is simulated) they go through a hidden name,
+    removed after: every file back, nothing hidden."""
+    env = bind_mounted_warehouse
+    files = make_table(env.warehouse, "db", "t", [{"p": "1"}], files_per_partition=3)
+    store = env.open()
+    faults.arm("recycle.staged", crash=True)
+    with pytest.raises(faults.Crash):
+        store.recycle(RecycleRequest(paths=sorted(files), op="DROP_TABLE", db="db", table="t"))
+    store.close()
+    assert not any(os.path.exists(p) for p in files)
+    real_open = os.open
+
+    def no_tmpfile(path, flags, *args, **kw):  # type: ignore[no-untyped-def]
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP), path)
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", no_tmpfile)
+    env.open()
+    monkeypatch.undo()
+    assert {p: Path(p).read_bytes() for p in files} == files
+    assert [n for _, _, ns in os.walk(env.warehouse) for n in ns if n.startswith(".")] == []
 
 
 def test_a_take_killed_with_a_writers_file_aside_puts_the_writers_file_back(

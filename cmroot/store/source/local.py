@@ -276,20 +276,33 @@ class LocalSession(Session):
 
     def _link_copy(self, staged: str, name: str, pfd: int) -> None:
         """Put a file that is on another filesystem (a take's copy, fetched back from a
-        store elsewhere) at `name`: copied beside it under a hidden name, flushed, then
-        linked, so it still never replaces a file created meanwhile."""
-        tmp = f".cmroot-put-back-{os.getpid()}-{threading.get_ident()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o644, dir_fd=pfd)
+        store elsewhere) at `name`: copied into an unnamed file in its directory
+        (O_TMPFILE), flushed, then linked, so it never replaces a file created meanwhile
+        and a kill on the way leaves nothing behind. Where the filesystem has no O_TMPFILE,
+        into a hidden name beside it instead, removed after."""
+        try:
+            fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o644, dir_fd=pfd)
+            tmp = None
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+            tmp = f".cmroot-put-back-{os.getpid()}-{threading.get_ident()}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o644, dir_fd=pfd)
         try:
             with open(staged, "rb") as src, open(fd, "wb", closefd=False) as dst:
                 while chunk := src.read(cks.CHUNK):
                     dst.write(chunk)
             os.fsync(fd)
-            os.link(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd, follow_symlinks=False)
+            faults.point("source.put_back_copied")
+            if tmp is None:
+                os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=pfd, follow_symlinks=True)
+            else:
+                os.link(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd, follow_symlinks=False)
         finally:
             os.close(fd)
-            os.unlink(tmp, dir_fd=pfd)
+            if tmp is not None:
+                os.unlink(tmp, dir_fd=pfd)
 
     def _holds(self, pfd: int, name: str, staged: str) -> bool:
         """Whether `name` is a regular file with the staged bytes (a put-back that got as
@@ -311,8 +324,8 @@ class LocalSession(Session):
         aside = f"{_TAKE}{tag}"
         try:
             pfd, name = self._parent(rel)
-            if resumed and _lstat(aside, pfd) is not None:  # the try before died there
-                return self._settle_aside(pfd, name, aside, ident, rel)
+            if resumed and (afd := self._find_aside(aside, pfd)) is not None:
+                return self._settle_aside(pfd, name, afd, aside, ident, rel)  # died there
             st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
         except OSError as e:
             if e.errno in (errno.ENOENT, errno.ENOTDIR) or confined.is_escape(e):
@@ -325,46 +338,89 @@ class LocalSession(Session):
         # name now (a writer may have renamed a new file over it since) is first renamed
         # aside, atomically, and looked at there. Only the file copied is removed.
         try:
-            os.rename(name, aside, src_dir_fd=pfd, dst_dir_fd=pfd)
+            afd = self._rename_aside(pfd, name, aside)
         except FileNotFoundError:
             return False
         faults.point("source.taken_aside")
-        return self._settle_aside(pfd, name, aside, ident, rel)
+        return self._settle_aside(pfd, name, afd, aside, ident, rel)
 
-    def _settle_aside(self, pfd: int, name: str, aside: str, ident: str, rel: str) -> bool:
-        """Remove what a take moved aside if it is the file copied (True); anything else
-        (a writer's file, renamed over the name before the take's rename) goes back."""
-        if _same_file(os.stat(aside, dir_fd=pfd, follow_symlinks=False), ident):
-            os.unlink(aside, dir_fd=pfd)
+    def _rename_aside(self, pfd: int, name: str, aside: str) -> int:
+        """Rename `name` (in `pfd`) to `aside`, at the top of the root where it can be:
+        a crash may leave it there until the next open, and a writer who renames the
+        partition directory meanwhile must not carry it out of the rollback's sight. In
+        its own directory when the root is another filesystem (a mount below it), not
+        writable, or sticky (the file could not be renamed out again); returns the
+        directory it went to."""
+        if not os.fstat(self.root).st_mode & stat.S_ISVTX:
+            try:
+                os.rename(name, aside, src_dir_fd=pfd, dst_dir_fd=self.root)
+                return self.root
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.EACCES, errno.EPERM, errno.EROFS):
+                    raise
+        os.rename(name, aside, src_dir_fd=pfd, dst_dir_fd=pfd)
+        return pfd
+
+    def _find_aside(self, aside: str, pfd: int | None) -> int | None:
+        """The directory holding `aside`: the root's top, else the file's own (`pfd`)."""
+        for fd in (self.root, pfd):
+            if fd is not None and _lstat(aside, fd) is not None:
+                return fd
+        return None
+
+    def _settle_aside(self, pfd: int, name: str, afd: int, aside: str, ident: str, rel: str
+                      ) -> bool:
+        """Remove what a take moved aside (`aside` in `afd`) if it is the file copied
+        (True); anything else (a writer's file, renamed over the name before the take's
+        rename) goes back."""
+        if _same_file(os.stat(aside, dir_fd=afd, follow_symlinks=False), ident):
+            os.unlink(aside, dir_fd=afd)
             return True
-        _return_beside(f"/proc/self/fd/{pfd}/{aside}", name, pfd, aside[len(_TAKE):], rel,
+        _return_beside(f"/proc/self/fd/{afd}/{aside}", name, pfd, aside[len(_TAKE):], rel,
                        "a file written during a take")
         return False
 
     def take_back(self, rel: str, ident: str, tag: str) -> bool:
-        try:
-            pfd, name = self._parent(rel)
-        except OSError as e:
-            if e.errno in (errno.ENOENT, errno.ENOTDIR) or confined.is_escape(e):
-                return False
-            raise
         aside = f"{_TAKE}{tag}"
-        moved = _lstat(aside, pfd)
-        if moved is None:
+        try:
+            pfd: int | None = self._parent(rel)[0]
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ENOTDIR) and not confined.is_escape(e):
+                raise
+            pfd = None  # the partition was moved or removed since: look at the top
+        afd = self._find_aside(aside, pfd)
+        if afd is None:
             return False
-        if not _same_file(moved, ident):
+        copied = _same_file(os.stat(aside, dir_fd=afd, follow_symlinks=False), ident)
+        try:
+            # Back at its path, its directory made again if it went meanwhile (put_back
+            # would make it for the copy all the same).
+            pfd, name = self._parent(rel, create=True)
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ENOTDIR) and not confined.is_escape(e):
+                raise
+            # Its directory is a symlink now: nothing goes through it. The copy staged in
+            # the store has the bytes of the file copied; a writer's file stays for an
+            # administrator, said in the log.
+            if copied:
+                os.unlink(aside, dir_fd=afd)
+            else:
+                log.error("a file written during a take cannot go back: a symlink is on its"
+                          " path", extra={"path": rel, "kept_as": aside})
+            return False
+        src = f"/proc/self/fd/{afd}/{aside}"
+        if not copied:
             # What the take found at the name and put aside (a writer's file renamed over
             # the source after the check) goes back; the copy of the old bytes is kept
             # all the same (the caller finds the name taken).
-            _return_beside(f"/proc/self/fd/{pfd}/{aside}", name, pfd, tag, rel,
-                           "a file written during a take")
+            _return_beside(src, name, pfd, tag, rel, "a file written during a take")
             return False
         try:
-            confined.rename_noreplace(f"/proc/self/fd/{pfd}/{aside}", name, pfd)
+            confined.rename_noreplace(src, name, pfd)
         except FileExistsError:
             # Its name was re-created since: the copy staged in the store has these bytes
             # and the caller's put-back, finding the name taken, keeps them there.
-            os.unlink(aside, dir_fd=pfd)
+            os.unlink(aside, dir_fd=afd)
             return False
         return True
 
