@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import io
 import logging
@@ -1070,6 +1071,15 @@ async def forward(request: web.Request) -> web.StreamResponse:
             # counts it. Nothing was done.
             request[UPSTREAM] = True
             raise cut from None
+        if isinstance(e, aiohttp.ConnectionTimeoutError) or (
+            isinstance(e, aiohttp.ClientOSError) and e.errno == errno.ENOTCONN
+        ):
+            # The connect never completed (asyncio takes a full Unix listen backlog's
+            # EAGAIN for a connect in progress): the primary never saw the request.
+            raise DaemonUnavailable(
+                "the daemon's primary process is not answering",
+                f"too many connections at once: nothing was done; retry in {RETRY_AFTER} s",
+            ) from None
         raise DaemonUnavailable(
             "the daemon's primary process went away while asked",
             f"{type(e).__name__}: {e}; whether it did what was asked is not known: look"

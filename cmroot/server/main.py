@@ -33,6 +33,7 @@ from cmroot import config as cfg
 from cmroot.exceptions import ConfigError, Conflict
 from cmroot.metrics import Metrics, share_between_processes, shared_registry
 from cmroot.server.app import (
+    FORWARD,
     LIMITS,
     SERVICE,
     Handler,
@@ -672,7 +673,12 @@ async def _run(
     workers: Workers | None = None
     inner: asyncio.AbstractServer | None = None
     if rundir is not None and primary is not None:
-        inner = await loop.create_unix_server(listener.private, path=primary, backlog=BACKLOG)
+        # Every request a serving process holds for the primary may open a connection at
+        # once (a burst of new clients): a backlog overflowed would fail their connects
+        # (the kernel caps it at net.core.somaxconn).
+        backlog = FORWARD.admitted * (config.server.processes - 1)
+        inner = await loop.create_unix_server(listener.private, path=primary,
+                                              backlog=max(BACKLOG, backlog))
         os.chmod(primary, 0o600)
         port = server.sockets[0].getsockname()[1]
         workers = Workers(config, port, rundir, config.server.processes - 1)

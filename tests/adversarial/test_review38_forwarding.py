@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.adversarial.test_review33_processes import fds
+from tests.adversarial.test_review33_processes import auth_line, fds
 from tests.adversarial.test_review34_processes_fixes import requests_total, settled
 from tests.adversarial.test_review36_counting import (
     ENV,
@@ -152,6 +152,44 @@ def test_break_a_forwarded_request_refused_at_the_primarys_cap_is_counted(
         assert settled(d) - before == 22, Counter((a.status, a.json()["error"]) for a in got)
 
 
+# BREAK (found by the burst test below; wrong answer, no harm done): a burst of new
+# private-socket connections past the Unix socket's listen backlog (BACKLOG 128) got
+# 503 "the daemon's primary process went away while asked ... whether it did what was
+# asked is not known", while the primary was up and had seen nothing. asyncio takes a
+# full backlog's EAGAIN for a connect in progress and reports ENOTCONN on the first
+# write (app.forward's generic ClientError branch). FIXED: the private socket's backlog
+# holds every forward a serving process may hold (FORWARD.admitted per serving process),
+# and ENOTCONN (or a connect timeout) says "nothing was done".
+def test_break_a_burst_of_forwards_while_the_primary_is_busy_all_get_answered(
+    tmp_path: Path,
+) -> None:
+    """200 forwarded requests sent at once while the primary accepts nothing (stopped for
+    a second, as a long GC pause or a busy loop would): each gets its real answer once the
+    primary runs again (a path the API has not: the primary's 404, which no work class
+    limits), none a 503."""
+    d = Daemon(tmp_path / "burst", env={**TWO, "CMROOT_SERVER_KEEPALIVE_TIMEOUT": "120s"})
+    with d.serving(check_errors=False):
+        worker = started(d)
+        assert d.proc is not None
+        placed = [connect_to(d, worker) for _ in range(200)]
+        get = (b"GET /v1/nothing-here HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+               + auth_line(d) + b"\r\n")
+        try:
+            os.kill(d.proc.pid, signal.SIGSTOP)
+            try:
+                for s in placed:
+                    s.sendall(get)
+                time.sleep(1)
+            finally:
+                os.kill(d.proc.pid, signal.SIGCONT)
+            got = [a for s in placed for a in read_answers(s, timeout=20)]
+        finally:
+            for s in placed:
+                s.close()
+        assert Counter(a.status for a in got) == {404: 200}, Counter(
+            (a.status, a.body[:120]) for a in got)
+
+
 # -- what held --------------------------------------------------------------------------
 
 def test_a_sigstopped_serving_process_is_cut_by_the_primarys_2x_watch(two: Two) -> None:
@@ -242,17 +280,10 @@ def test_hundreds_of_stalled_requests_past_the_forward_limit(two: Two) -> None:
             s.close()
     assert len(got) == 700, len(got)
     kinds = Counter((a.status, a.json()["error"]) for a in got)
-    # Also seen (in about half of such bursts, up to 107 of 1000; not reliable enough for a
-    # strict xfail): a JSON 503 "the daemon's primary process went away while asked ...
-    # whether it did what was asked is not known" while the primary was up and nothing had
-    # been done: app.forward's generic aiohttp.ClientError branch, for a burst of new
-    # private-socket connections (hundreds at once, more than the Unix socket's listen
-    # backlog, BACKLOG 128). Each is still counted once. A load refusal should say
-    # "nothing was done"; a ClientOSError on a request whose head never got through (no
-    # byte of an answer) could be told apart.
+    # A 503 "the daemon's primary process went away while asked" was also seen here, for
+    # connects past the private socket's backlog (the break above, fixed).
     assert set(kinds) <= {(408, "Request Timeout"), (503, "too many recycle requests"),
-                          (503, "too many forward requests"),
-                          (503, "the daemon's primary process went away while asked")}, kinds
+                          (503, "too many forward requests")}, kinds
     assert took < BODY_TIMEOUT + 2 * SLACK, took
     assert settled(d) - before == 700
     wait_for(lambda: queue_depth(d, "forward") == 0, 10)
