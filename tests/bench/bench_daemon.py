@@ -816,6 +816,7 @@ def build_rss_store(work: Path, name: str, warehouse: Path, s: Scale, synthetic:
     root = work / name
     cfg = load_config(write_config(work / f"{name}-setup.toml", root, warehouse, 0))
     tree = warehouse / "db" / f"rss_{name}"
+    tree.parent.mkdir(parents=True, exist_ok=True)  # `--only rss`: no other row made it
     run(["cp", "-a", str(real_master), str(tree)])
     real = recycle_in_process(cfg, [str(tree)], tree.name)
     if synthetic:
