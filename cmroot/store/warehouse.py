@@ -94,6 +94,11 @@ class Warehouse:
             if isinstance(inner_src, LocalSource) and isinstance(outer_src, LocalSource):
                 assert outer is not None
                 inner_src.outer = (outer_src, outer[1])
+        # Local roots with their spellings' prefixes, made once: every path of every
+        # request is placed and checked against them.
+        self._local: list[tuple[Root, str, str]] = [
+            (r, r.url.rstrip("/") + "/", r.real.rstrip("/") + "/") for r in self.roots if r.local
+        ]
         self._real_dirs: dict[str, tuple[float, str]] = {}
         if store is not None:
             self._fence(store)
@@ -178,13 +183,15 @@ class Warehouse:
             if not resolve:
                 return Located(key, root, key, None, True)
             real, st, statted = self._resolve(key, raw, dirs)
-            if dirs is None and not self._inside(real):
+            inside = self._inside(real)
+            if dirs is None and not inside:
                 # A refusal is made on a fresh look, never on a cached parent that was a
                 # symlink a moment ago and has since been put back.
                 fresh: dict[str, tuple[float, str]] = {}
                 real, st, statted = self._resolve(key, raw, fresh)
                 self._real_dirs.update(fresh)
-            if not self._inside(real):
+                inside = self._inside(real)
+            if not inside:
                 raise OutsideRoots(
                     "path escapes the warehouse roots",
                     f"{raw!r} resolves through a symlink to {real!r}",
@@ -211,7 +218,7 @@ class Warehouse:
             ) from None
 
     def _inside(self, real: str) -> bool:
-        return any(r.local and _under(real, r.real) for r in self.roots)
+        return any(real == r.real or real.startswith(prefix) for r, _, prefix in self._local)
 
     def place(self, key: str) -> Located:
         """A key this store recorded (confined and canonical when it was located), placed
@@ -223,8 +230,8 @@ class Warehouse:
         return self.locate(key, resolve=False)
 
     def _local_root(self, key: str, raw: str) -> Root:
-        for root in self.roots:
-            if root.local and _under(key, root.url):
+        for root, prefix, _ in self._local:
+            if key == root.url or key.startswith(prefix):
                 return root
         raise OutsideRoots(
             "path outside the warehouse roots", f"{raw!r} is not under {self._names()}"

@@ -44,7 +44,8 @@ def ident_of(st: os.stat_result) -> Ident:
 
 def ident_str(ident: Ident) -> str:
     """The identity as the journal and the checksum cache record it."""
-    return "local:" + ":".join(str(x) for x in ident)
+    dev, ino, size, mtime, ctime = ident
+    return f"local:{dev}:{ino}:{size}:{mtime}:{ctime}"
 
 
 def identity(st: os.stat_result) -> str:
