@@ -52,7 +52,7 @@ from cmroot.server import schemas
 from cmroot.server.auth import Tokens, local_request, loopback_origin
 from cmroot.store import RecycleResult, Store, Verified
 from cmroot.store.fsck import FsckReport
-from cmroot.store.read import WouldBlock
+from cmroot.store.read import LeftCorrupt, WouldBlock
 from cmroot.store.sweep import SweepReport
 
 log = logging.getLogger("cmroot.server")
@@ -447,7 +447,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return resp
     with m.in_flight.track_inprogress(), m.request_duration.labels(route).time():
         resp = await _answer(request, handler, route)
-    m.http_requests.labels(route, str(resp.status)).inc()
+    if not request.get(UPSTREAM, False):  # one it passed on after all: the primary counts
+        m.http_requests.labels(route, str(resp.status)).inc()
     return resp
 
 
@@ -713,7 +714,15 @@ async def files(request: web.Request) -> web.StreamResponse:
         # and back costs more than the whole lookup (it halved GETs of 64 KiB objects).
         v = svc.store.open_cached(q.path, q.checksum, INLINE_MAX)
     except WouldBlock:
-        v = await _open_verified(request, q.path, q.checksum)
+        try:
+            v = await _open_verified(request, q.path, q.checksum)
+        except LeftCorrupt:
+            if PRIMARY not in request.app:
+                raise
+            # Found corrupt by this read-only serving process: the primary alone may
+            # quarantine the object, so it is asked the same, and answers (once moved,
+            # no process meets it again).
+            return await forward(request)
     try:
         return await _serve(request, svc, v)
     finally:

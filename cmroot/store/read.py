@@ -89,6 +89,11 @@ class Quarantined(NotFound):
     request was fine, the bytes are not there)."""
 
 
+class LeftCorrupt(Quarantined):
+    """A read-only reader (a serving process) found the store's object corrupt: never
+    served, and left where it is for the store's writer, who alone may move it."""
+
+
 @dataclass(eq=False)
 class Verified:
     """An open, verified file: `fd` holds bytes that hashed to `checksum` when `ident` was
@@ -368,7 +373,7 @@ class Reader:
             os.close(fd)
             raise
         os.close(fd)
-        raise Quarantined(
+        raise (LeftCorrupt if self.readonly else Quarantined)(
             "stored object is corrupt",
             f"object {c} of {key} does not hash to its name"
             + ("; quarantined" if not self.readonly else "")
@@ -386,10 +391,14 @@ class Reader:
         tmp, got, ident = spooled
         with tmp:
             if got != c:
+                if self.readonly:
+                    log.warning("stored object is corrupt, not served; left to the store's"
+                                " writer", extra={"checksum": c, "path": key})
+                    raise LeftCorrupt("stored object is corrupt", f"object {c} of {key} does"
+                                      " not hash to its name; not served: run cmroot fsck")
                 if self.on_mismatch is not None:
                     self.on_mismatch()
-                where = None if self.readonly else layout.quarantine_object(c, ident,
-                                                                            self.clock())
+                where = layout.quarantine_object(c, ident, self.clock())
                 log.error(
                     "checksum mismatch: stored object is corrupt, not served",
                     extra={"checksum": c, "path": key, "quarantined": where},
@@ -405,9 +414,15 @@ class Reader:
         return Verified(Status.CMROOT, c, st.st_size, ident_of(st), fd, data)
 
     def _mismatch(self, key: str, c: str, fd: int) -> None:
+        if self.readonly:
+            # Left to the writer (LeftCorrupt), who counts and reports it when it meets
+            # it: a serving process passes the request on to the primary for that.
+            log.warning("stored object is corrupt, not served; left to the store's writer",
+                        extra={"checksum": c, "path": key})
+            return
         if self.on_mismatch is not None:
             self.on_mismatch()
-        where = None if self.readonly else self._quarantine(c, os.fstat(fd))
+        where = self._quarantine(c, os.fstat(fd))
         log.error(
             "checksum mismatch: stored object is corrupt, not served",
             extra={"checksum": c, "path": key, "quarantined": where},

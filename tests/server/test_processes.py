@@ -336,3 +336,42 @@ def test_a_signal_while_the_serving_processes_start_is_no_death(
         assert d.proc.wait(30) == 0, d.log()
     assert not alive(worker)
     assert not d.errors(), d.log()
+
+
+def test_a_corrupt_object_met_by_a_serving_process_is_quarantined_by_the_primary(
+    two: Daemon,
+) -> None:
+    """A serving process (read-only) that finds an object corrupt passes the GET to the
+    primary, which quarantines the object and answers: the object is out of `objects/`
+    after the first GET, whichever process met it, the mismatch is counted once and the
+    request once (before, every GET a serving process took hashed it again and logged it
+    again, and it stayed until the primary happened to meet it)."""
+    from tests.adversarial.test_review36_counting import connect_to, read_answers
+
+    [(p, c, data)] = _recycled(two, "corrupt_on_serving", {"f": os.urandom(5000)})
+    obj = two.store / "objects" / c[:2] / c[2:4] / c
+    os.chmod(obj, 0o644)
+    with open(obj, "r+b") as f:
+        f.write(b"X" * 16)  # same size, other bytes
+    worker = started(two)
+    metrics = two.metrics()
+    mismatches = counter(metrics, "cmroot_checksum_mismatches_total")
+    not_found = counter(metrics, "cmroot_http_requests_total", code="404", route="/v1/files")
+    s = connect_to(two, worker)
+    try:
+        url = two.files_url(p, c)
+        s.sendall(f"GET {url} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode()
+                  + b"".join(f"{k}: {v}\r\n".encode() for k, v in two.auth("read").items())
+                  + b"\r\n")
+        [a] = read_answers(s, timeout=20)
+    finally:
+        s.close()
+    assert a.status == 404 and b"quarantined" in a.body and b"X" * 16 not in a.body, a
+    assert not obj.exists() and any(q.name.startswith(c) for q in (two.store / "quarantine")
+                                    .iterdir())
+    metrics = two.metrics()
+    assert counter(metrics, "cmroot_checksum_mismatches_total") - mismatches == 1
+    assert counter(metrics, "cmroot_http_requests_total", code="404",
+                   route="/v1/files") - not_found == 1
+    r = two.request("GET", two.files_url(p, c), scope="read")
+    assert r.status == 404 and r.body != data, r
