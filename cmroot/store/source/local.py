@@ -8,9 +8,11 @@ or a clean-up outside the root."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import stat
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -62,6 +64,26 @@ def _same_file(st: os.stat_result, ident: str) -> bool:
     """Whether `st` is the file whose identity was `ident`, but for its ctime (which a
     rename changes)."""
     return identity(st).rpartition(":")[0] == ident.rpartition(":")[0]
+
+
+# Errors of a rename or a directory made on a path that another filesystem, permissions
+# or a read-only mount now stand in the way of.
+_UNREACHABLE = (errno.ENOENT, errno.ENOTDIR, errno.EXDEV, errno.EACCES, errno.EPERM,
+                errno.EROFS)
+# FS_IOC_GETFLAGS, and the inode flags that keep what is renamed into a directory there:
+# append-only (no unlink, no rename out) and immutable (nothing in either).
+_FS_IOC_GETFLAGS = 0x80086601
+_PINNED = 0x00000020 | 0x00000010
+
+
+def _inode_flags(fd: int) -> int:
+    """The inode flags of `fd` (chattr's); 0 where the filesystem has none."""
+    buf = bytearray(8)
+    try:
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, buf, True)
+    except OSError:
+        return 0
+    return int.from_bytes(buf[:4], sys.byteorder)
 
 
 def _lstat(name: str, pfd: int) -> os.stat_result | None:
@@ -132,11 +154,28 @@ class LocalSource(Source):
 
     @contextmanager
     def session(self) -> Iterator[LocalSession]:
-        s = LocalSession(self.open_root())
+        s = LocalSession(self.open_root(), self._outer_tops())
         try:
             yield s
         finally:
             s.close()
+
+    def _outer_tops(self) -> list[tuple[int, str]]:
+        """Descriptors of the roots this one lies in, outermost first, each with this
+        root's path below it (the caller closes them)."""
+        out: list[tuple[int, str]] = []
+        src, below = self, ""
+        try:
+            while src.outer is not None:
+                outer, rel = src.outer
+                below = f"{rel}/{below}" if below else rel
+                out.append((outer.open_root(), below))
+                src = outer
+        except BaseException:
+            for fd, _ in out:
+                os.close(fd)
+            raise
+        return out[::-1]
 
     def expand(self, rel: str, key: str) -> tuple[list[SourceFile], bool]:
         with self.root() as root:
@@ -188,11 +227,14 @@ def _check_regular(key: str, st: os.stat_result) -> None:
 
 class LocalSession(Session):
     """Directory descriptors of the root and of each parent directory used, opened once
-    per session (a 10,000-file drop in 100 partitions opens 100, not 10,000)."""
+    per session (a 10,000-file drop in 100 partitions opens 100, not 10,000). `outer`: the
+    roots this one lies in, outermost first (descriptor, this root's path below it)."""
 
-    def __init__(self, root_fd: int) -> None:
-        self.root = root_fd  # owned: closed with the session
-        self._dirs: dict[str, int] = {}
+    def __init__(self, root_fd: int, outer: list[tuple[int, str]] | None = None) -> None:
+        self.root = root_fd  # owned: closed with the session, as are the outer ones
+        self._outer = outer or []
+        self._dirs: dict[tuple[int, str], int] = {}
+        self._tops: dict[int, bool] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -200,20 +242,29 @@ class LocalSession(Session):
             for fd in self._dirs.values():
                 os.close(fd)
             self._dirs.clear()
+            for fd, _ in self._outer:
+                os.close(fd)
             os.close(self.root)
+
+    def _dir(self, head: str, create: bool = False, base: int | None = None) -> int:
+        """The directory `head` below `base` (default: the root), opened once."""
+        top = self.root if base is None else base
+        if not head:
+            return top
+        fd = self._dirs.get((top, head))  # a dict read is atomic: the lock guards inserts
+        if fd is None:
+            fd = confined.open_dir_beneath(top, head, create)
+            with self._lock:
+                if (top, head) in self._dirs:
+                    os.close(fd)
+                    fd = self._dirs[(top, head)]
+                else:
+                    self._dirs[(top, head)] = fd
+        return fd
 
     def _parent(self, rel: str, create: bool = False) -> tuple[int, str]:
         head, _, name = rel.rpartition("/")
-        fd = self._dirs.get(head)  # a dict read is atomic: the lock guards inserts only
-        if fd is None:
-            fd = confined.open_dir_beneath(self.root, head, create)
-            with self._lock:
-                if head in self._dirs:
-                    os.close(fd)
-                    fd = self._dirs[head]
-                else:
-                    self._dirs[head] = fd
-        return fd, name
+        return self._dir(head, create), name
 
     def rename_out(self, rel: str, staged: str) -> None:
         pfd, name = self._parent(rel)
@@ -323,10 +374,10 @@ class LocalSession(Session):
     def remove_if_unchanged(self, rel: str, ident: str, tag: str, resumed: bool = False
                             ) -> bool:
         aside = f"{_TAKE}{tag}"
+        if resumed and (afd := self._find_aside(aside, rel)) is not None:
+            return self._settle_aside(rel, afd, aside, ident)  # the try before died there
         try:
             pfd, name = self._parent(rel)
-            if resumed and (afd := self._find_aside(aside, pfd)) is not None:
-                return self._settle_aside(pfd, name, afd, aside, ident, rel)  # died there
             st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
         except OSError as e:
             if e.errno in (errno.ENOENT, errno.ENOTDIR) or confined.is_escape(e):
@@ -343,85 +394,110 @@ class LocalSession(Session):
         except FileNotFoundError:
             return False
         faults.point("source.taken_aside")
-        return self._settle_aside(pfd, name, afd, aside, ident, rel)
+        return self._settle_aside(rel, afd, aside, ident)
 
     def _rename_aside(self, pfd: int, name: str, aside: str) -> int:
-        """Rename `name` (in `pfd`) to `aside`, at the top of the root where it can be:
-        a crash may leave it there until the next open, and a writer who renames the
-        partition directory meanwhile must not carry it out of the rollback's sight. In
-        its own directory when the root is another filesystem (a mount below it), not
-        writable, or sticky (the file could not be renamed out again); returns the
-        directory it went to."""
-        if not os.fstat(self.root).st_mode & stat.S_ISVTX:
+        """Rename `name` (in `pfd`) to `aside` at the top of the outermost root that holds
+        it where it can be: a crash may leave it there until the next open, and a writer
+        who renames the partition (or a nested root's) directory meanwhile must not carry
+        it out of the rollback's sight. A top that is another filesystem (a mount below
+        it), not writable, sticky, append-only or immutable (a file renamed in could not
+        be removed or renamed out again) is passed over; last, the file's own directory.
+        Returns the directory it went to."""
+        for top in [fd for fd, _ in self._outer] + [self.root]:
+            if not self._holds_asides(top):
+                continue
             try:
-                os.rename(name, aside, src_dir_fd=pfd, dst_dir_fd=self.root)
-                return self.root
+                os.rename(name, aside, src_dir_fd=pfd, dst_dir_fd=top)
+                return top
             except OSError as e:
                 if e.errno not in (errno.EXDEV, errno.EACCES, errno.EPERM, errno.EROFS):
                     raise
         os.rename(name, aside, src_dir_fd=pfd, dst_dir_fd=pfd)
         return pfd
 
-    def _find_aside(self, aside: str, pfd: int | None) -> int | None:
-        """The directory holding `aside`: the root's top, else the file's own (`pfd`)."""
-        for fd in (self.root, pfd):
-            if fd is not None and _lstat(aside, fd) is not None:
+    def _holds_asides(self, top: int) -> bool:
+        held = self._tops.get(top)
+        if held is None:
+            held = self._tops[top] = not (
+                os.fstat(top).st_mode & stat.S_ISVTX or _inode_flags(top) & _PINNED)
+        return held
+
+    def _find_aside(self, aside: str, rel: str) -> int | None:
+        """The directory holding `aside` among those that hold `rel`: the tops of its roots
+        and every directory down to its own, wherever a take (under this configuration of
+        roots or an earlier one) may have put it. Those gone or swapped are passed over."""
+        for fd in self._ancestors(rel):
+            if _lstat(aside, fd) is not None:
                 return fd
         return None
 
-    def _settle_aside(self, pfd: int, name: str, afd: int, aside: str, ident: str, rel: str
-                      ) -> bool:
+    def _ancestors(self, rel: str) -> Iterator[int]:
+        places = [(fd, below) for fd, below in self._outer]
+        places.append((self.root, rel.rpartition("/")[0]))
+        for base, below in places:
+            yield base
+            parts = below.split("/") if below else []
+            for i in range(1, len(parts) + 1):
+                try:
+                    yield self._dir("/".join(parts[:i]), base=base)
+                except OSError as e:
+                    if e.errno in (errno.ENOENT, errno.ENOTDIR) or confined.is_escape(e):
+                        break  # nothing below a missing or swapped directory is ours
+                    raise
+
+    def _settle_aside(self, rel: str, afd: int, aside: str, ident: str) -> bool:
         """Remove what a take moved aside (`aside` in `afd`) if it is the file copied
         (True); anything else (a writer's file, renamed over the name before the take's
         rename) goes back."""
         if _same_file(os.stat(aside, dir_fd=afd, follow_symlinks=False), ident):
             os.unlink(aside, dir_fd=afd)
             return True
-        _return_beside(f"/proc/self/fd/{afd}/{aside}", name, pfd, aside[len(_TAKE):], rel,
-                       "a file written during a take")
+        self._return_aside(rel, afd, aside)
         return False
+
+    def _return_aside(self, rel: str, afd: int, aside: str) -> None:
+        """Put a writer's file that a take moved aside back at `rel` (its directory made
+        again if it went), never over anything: beside it then. Where it cannot go (a
+        symlink or another filesystem on its path now) it stays, said in the log."""
+        try:
+            pfd, name = self._parent(rel, create=True)
+            _return_beside(f"/proc/self/fd/{afd}/{aside}", name, pfd, aside[len(_TAKE):], rel,
+                           "a file written during a take")
+        except OSError as e:
+            if e.errno not in _UNREACHABLE and not confined.is_escape(e):
+                raise
+            log.error("a file written during a take cannot go back to its path: kept aside",
+                      extra={"path": rel, "kept_as": aside, "error": e.strerror or str(e)})
 
     def take_back(self, rel: str, ident: str, tag: str) -> bool:
         aside = f"{_TAKE}{tag}"
-        try:
-            pfd: int | None = self._parent(rel)[0]
-        except OSError as e:
-            if e.errno not in (errno.ENOENT, errno.ENOTDIR) and not confined.is_escape(e):
-                raise
-            pfd = None  # the partition was moved or removed since: look at the top
-        afd = self._find_aside(aside, pfd)
+        afd = self._find_aside(aside, rel)
         if afd is None:
             return False
-        copied = _same_file(os.stat(aside, dir_fd=afd, follow_symlinks=False), ident)
+        if not _same_file(os.stat(aside, dir_fd=afd, follow_symlinks=False), ident):
+            # What the take found at the name and put aside (a writer's file renamed over
+            # the source after the check) goes back; the copy of the old bytes is kept
+            # all the same (the caller finds the name taken).
+            self._return_aside(rel, afd, aside)
+            return False
         try:
             # Back at its path, its directory made again if it went meanwhile (put_back
             # would make it for the copy all the same).
             pfd, name = self._parent(rel, create=True)
+            confined.rename_noreplace(f"/proc/self/fd/{afd}/{aside}", name, pfd)
         except OSError as e:
-            if e.errno not in (errno.ENOENT, errno.ENOTDIR) and not confined.is_escape(e):
+            if not isinstance(e, FileExistsError) and e.errno not in _UNREACHABLE and (
+                    not confined.is_escape(e)):
                 raise
-            # Its directory is a symlink now: nothing goes through it. The copy staged in
-            # the store has the bytes of the file copied; a writer's file stays for an
-            # administrator, said in the log.
-            if copied:
+            # Its name was re-created since, or it cannot get there (a symlink on the way,
+            # another filesystem): the copy staged in the store has these bytes, and the
+            # caller's put-back takes it back, or keeps it in the store.
+            try:
                 os.unlink(aside, dir_fd=afd)
-            else:
-                log.error("a file written during a take cannot go back: a symlink is on its"
-                          " path", extra={"path": rel, "kept_as": aside})
-            return False
-        src = f"/proc/self/fd/{afd}/{aside}"
-        if not copied:
-            # What the take found at the name and put aside (a writer's file renamed over
-            # the source after the check) goes back; the copy of the old bytes is kept
-            # all the same (the caller finds the name taken).
-            _return_beside(src, name, pfd, tag, rel, "a file written during a take")
-            return False
-        try:
-            confined.rename_noreplace(src, name, pfd)
-        except FileExistsError:
-            # Its name was re-created since: the copy staged in the store has these bytes
-            # and the caller's put-back, finding the name taken, keeps them there.
-            os.unlink(aside, dir_fd=afd)
+            except OSError as gone:
+                log.error("a take's hidden copy cannot be removed", extra={
+                    "path": rel, "kept_as": aside, "error": gone.strerror or str(gone)})
             return False
         return True
 
