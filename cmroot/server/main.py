@@ -673,10 +673,11 @@ async def _run(
     workers: Workers | None = None
     inner: asyncio.AbstractServer | None = None
     if rundir is not None and primary is not None:
-        # Every request a serving process holds for the primary may open a connection at
-        # once (a burst of new clients): a backlog overflowed would fail their connects
-        # (the kernel caps it at net.core.somaxconn).
-        backlog = FORWARD.admitted * (config.server.processes - 1)
+        # Every request a serving process may pass to the primary at once may open a
+        # connection (a burst of new clients): those of its forward class, and GETs of
+        # objects it found corrupt (its serve class). A backlog overflowed would fail
+        # their connects (the kernel caps it at net.core.somaxconn).
+        backlog = (FORWARD.admitted + LIMITS["serve"].admitted) * (config.server.processes - 1)
         inner = await loop.create_unix_server(listener.private, path=primary,
                                               backlog=max(BACKLOG, backlog))
         os.chmod(primary, 0o600)

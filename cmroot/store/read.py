@@ -396,13 +396,8 @@ class Reader:
                                 " writer", extra={"checksum": c, "path": key})
                     raise LeftCorrupt("stored object is corrupt", f"object {c} of {key} does"
                                       " not hash to its name; not served: run cmroot fsck")
-                if self.on_mismatch is not None:
-                    self.on_mismatch()
                 where = layout.quarantine_object(c, ident, self.clock())
-                log.error(
-                    "checksum mismatch: stored object is corrupt, not served",
-                    extra={"checksum": c, "path": key, "quarantined": where},
-                )
+                self._report(key, c, where)
                 raise Quarantined(
                     "stored object is corrupt",
                     f"object {c} of {key} does not hash to its name"
@@ -420,9 +415,18 @@ class Reader:
             log.warning("stored object is corrupt, not served; left to the store's writer",
                         extra={"checksum": c, "path": key})
             return
+        self._report(key, c, self._quarantine(c, os.fstat(fd)))
+
+    def _report(self, key: str, c: str, where: str | None) -> None:
+        """Count and log a corrupt object once: by the reader that moved it to quarantine
+        (`where`). Readers that hashed it at the same time find it moved, or healed since
+        by a fresh publish, and say so quietly."""
+        if where is None:
+            log.info("stored object found corrupt was already quarantined or healed",
+                     extra={"checksum": c, "path": key})
+            return
         if self.on_mismatch is not None:
             self.on_mismatch()
-        where = self._quarantine(c, os.fstat(fd))
         log.error(
             "checksum mismatch: stored object is corrupt, not served",
             extra={"checksum": c, "path": key, "quarantined": where},
