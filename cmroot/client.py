@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import IO, Any
 from urllib.parse import urlencode, urlsplit
 
+import msgspec
 import xxhash
 
 from cmroot.exceptions import (
@@ -30,6 +31,8 @@ from cmroot.exceptions import (
     for_status,
 )
 
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder()
 # The daemon closes a kept-alive connection after server.keepalive_timeout of quiet (15 s
 # by default); one idle this long is not reused, so that a request is never written into
 # a connection the daemon is closing at that instant (one it closed sooner is seen closed
@@ -401,8 +404,9 @@ class Client:
         if resp.status >= 400:
             self._raise(resp)
         try:
-            out = json.loads(resp.read())
-        except json.JSONDecodeError as e:
+            # msgspec: a 10,000-pair resolve answer decodes several times faster
+            out = _DECODER.decode(resp.read())
+        except msgspec.DecodeError as e:
             raise CmrootError(
                 "bad answer from the cmroot daemon", f"{self.url}{path}: {e}"
             ) from None
@@ -430,7 +434,7 @@ class Client:
         retry: bool = False,
         busy_wait: float | None = None,
     ) -> http.client.HTTPResponse:
-        payload = json.dumps(body, separators=(",", ":")).encode() if body is not None else None
+        payload = _ENCODER.encode(body) if body is not None else None
         hdrs = {"Accept": "application/json", **(headers or {})}
         if method == "POST":  # even without a body: the daemon refuses other types (415)
             hdrs["Content-Type"] = "application/json"
