@@ -31,9 +31,10 @@ Attacked, on real `mount --bind` warehouses with in-process crashes (faults.Cras
   (`_link_copy` into an O_TMPFILE: nothing hidden left, all back once there is room).
 
 `test_break_*` failed on 1f4f22c; the comment above each says what broke (invariant),
-where, how severe, and a fix. All five are fixed since (see FIXED above each): the aside
-goes to the top of the outermost root that can hold it, is looked for in every directory
-that holds the path, and one that cannot reach its path is settled where it lies."""
+where, how severe, and a fix. Four are fixed since (see FIXED above each): the aside goes
+to the top of its root where that can hold it, is looked for in every directory that
+holds the path, and one that cannot reach its path is settled where it lies. The nested
+root moved by a writer of the outer root is a strict xfail (see review 41)."""
 
 from __future__ import annotations
 
@@ -260,8 +261,15 @@ def test_break_a_root_configured_differently_at_recovery_leaves_the_aside_hidden
 # (the top of a nested root is no safer than a partition directory). Fix: put the aside at
 # the top of the outermost local root that holds the file (reached through the outer
 # root's descriptor, as open_root does), falling back as now on EXDEV/EACCES/EPERM/EROFS.
-# FIXED: the aside goes to the top of the outermost root that holds the file (the outer
-# roots' descriptors come with the session: LocalSource._outer_tops).
+# FIXED in ae3edcf (the aside at the outermost root's top), then given up for review 41's
+# breaks: an outer top can drop out of the configuration during the outage, and a
+# writer's file aside there would then be hidden for good (medium), where this is a
+# hidden duplicate of bytes put back from staging (low). The aside is at the top of the
+# file's own root again; a nested root's directory renamed by a writer of the outer root
+# during the outage still carries it away. Closing this needs the aside's directory in
+# the journal (its st_dev/st_ino, written with the copy).
+@pytest.mark.xfail(strict=True, reason="a nested root's directory renamed during the outage "
+                   "carries the aside away (kept: see the comment)")
 def test_break_a_writer_of_the_outer_root_moves_the_nested_root_with_its_aside(
     bind_mounted_warehouse: Env,
 ) -> None:

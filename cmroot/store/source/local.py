@@ -154,7 +154,13 @@ class LocalSource(Source):
 
     @contextmanager
     def session(self) -> Iterator[LocalSession]:
-        s = LocalSession(self.open_root(), self._outer_tops())
+        root = self.open_root()
+        try:
+            outer = self._outer_tops()
+        except BaseException:
+            os.close(root)  # an outer root renamed meanwhile: this session fails whole
+            raise
+        s = LocalSession(root, outer)
         try:
             yield s
         finally:
@@ -360,7 +366,9 @@ class LocalSession(Session):
         """Whether `name` is a regular file with the staged bytes (a put-back that got as
         far as its link before a crash, or a writer that wrote the same bytes)."""
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+            # O_NONBLOCK: a FIFO made at the path must not hang the rollback (fstat says no)
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=pfd)
         except OSError:
             return False
         try:
@@ -374,7 +382,7 @@ class LocalSession(Session):
     def remove_if_unchanged(self, rel: str, ident: str, tag: str, resumed: bool = False
                             ) -> bool:
         aside = f"{_TAKE}{tag}"
-        if resumed and (afd := self._find_aside(aside, rel)) is not None:
+        if resumed and (afd := self._find_aside(aside, rel, ident)) is not None:
             return self._settle_aside(rel, afd, aside, ident)  # the try before died there
         try:
             pfd, name = self._parent(rel)
@@ -397,19 +405,16 @@ class LocalSession(Session):
         return self._settle_aside(rel, afd, aside, ident)
 
     def _rename_aside(self, pfd: int, name: str, aside: str) -> int:
-        """Rename `name` (in `pfd`) to `aside` at the top of the outermost root that holds
-        it where it can be: a crash may leave it there until the next open, and a writer
-        who renames the partition (or a nested root's) directory meanwhile must not carry
-        it out of the rollback's sight. A top that is another filesystem (a mount below
-        it), not writable, sticky, append-only or immutable (a file renamed in could not
-        be removed or renamed out again) is passed over; last, the file's own directory.
-        Returns the directory it went to."""
-        for top in [fd for fd, _ in self._outer] + [self.root]:
-            if not self._holds_asides(top):
-                continue
+        """Rename `name` (in `pfd`) to `aside`, at the top of its root where it can be: a
+        crash may leave it there until the next open, and a writer who renames the
+        partition directory meanwhile must not carry it out of the rollback's sight. In
+        its own directory when the top is another filesystem (a mount below it), not
+        writable, sticky, append-only or immutable (a file renamed in could not be removed
+        or renamed out again). Returns the directory it went to."""
+        if self._holds_asides(self.root):
             try:
-                os.rename(name, aside, src_dir_fd=pfd, dst_dir_fd=top)
-                return top
+                os.rename(name, aside, src_dir_fd=pfd, dst_dir_fd=self.root)
+                return self.root
             except OSError as e:
                 if e.errno not in (errno.EXDEV, errno.EACCES, errno.EPERM, errno.EROFS):
                     raise
@@ -423,14 +428,31 @@ class LocalSession(Session):
                 os.fstat(top).st_mode & stat.S_ISVTX or _inode_flags(top) & _PINNED)
         return held
 
-    def _find_aside(self, aside: str, rel: str) -> int | None:
-        """The directory holding `aside` among those that hold `rel`: the tops of its roots
-        and every directory down to its own, wherever a take (under this configuration of
-        roots or an earlier one) may have put it. Those gone or swapped are passed over."""
+    def _find_aside(self, aside: str, rel: str, ident: str) -> int | None:
+        """The directory holding the aside of `rel`. The file copied is looked for in
+        every directory that holds the path, from the outermost root's top down (a root
+        added to or removed from the configuration since the take moves the top it went
+        to); anything else of that name (a writer's file the take moved aside) only where
+        a take puts one: a top that holds asides, or the file's own directory. The name
+        can be read there after a crash: a file planted under it elsewhere is never
+        taken for ours."""
+        places = [fd for fd, _ in self._outer] + [self.root]
+        places = [fd for fd in places if self._holds_asides(fd)]
+        try:
+            places.append(self._dir(rel.rpartition("/")[0]))
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ENOTDIR) and not confined.is_escape(e):
+                raise
+        other = None
         for fd in self._ancestors(rel):
-            if _lstat(aside, fd) is not None:
+            st = _lstat(aside, fd)
+            if st is None:
+                continue
+            if _same_file(st, ident):
                 return fd
-        return None
+            if other is None and fd in places:
+                other = fd
+        return other
 
     def _ancestors(self, rel: str) -> Iterator[int]:
         places = [(fd, below) for fd, below in self._outer]
@@ -472,7 +494,7 @@ class LocalSession(Session):
 
     def take_back(self, rel: str, ident: str, tag: str) -> bool:
         aside = f"{_TAKE}{tag}"
-        afd = self._find_aside(aside, rel)
+        afd = self._find_aside(aside, rel, ident)
         if afd is None:
             return False
         if not _same_file(os.stat(aside, dir_fd=afd, follow_symlinks=False), ident):
