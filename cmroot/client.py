@@ -33,6 +33,17 @@ from cmroot.exceptions import (
 
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder()
+
+
+def _encode(body: Any) -> bytes:
+    try:
+        return _ENCODER.encode(body)
+    except UnicodeEncodeError:
+        # A lone surrogate (an undecodable command-line argument): sent escaped, as the
+        # stdlib writes it, for the daemon to refuse with its own clear answer.
+        return json.dumps(body, separators=(",", ":")).encode()
+
+
 # The daemon closes a kept-alive connection after server.keepalive_timeout of quiet (15 s
 # by default); one idle this long is not reused, so that a request is never written into
 # a connection the daemon is closing at that instant (one it closed sooner is seen closed
@@ -403,13 +414,17 @@ class Client:
         resp = self._request(method, path, body, retry=retry, busy_wait=busy_wait)
         if resp.status >= 400:
             self._raise(resp)
+        data = resp.read()
         try:
             # msgspec: a 10,000-pair resolve answer decodes several times faster
-            out = _DECODER.decode(resp.read())
-        except msgspec.DecodeError as e:
-            raise CmrootError(
-                "bad answer from the cmroot daemon", f"{self.url}{path}: {e}"
-            ) from None
+            out = _DECODER.decode(data)
+        except msgspec.DecodeError:
+            try:  # what only the stdlib reads (an escaped lone surrogate), or no JSON
+                out = json.loads(data)
+            except ValueError as e:
+                raise CmrootError(
+                    "bad answer from the cmroot daemon", f"{self.url}{path}: {e}"
+                ) from None
         if not isinstance(out, dict):
             raise CmrootError(
                 "bad answer from the cmroot daemon", f"{self.url}{path}: not an object"
@@ -434,7 +449,7 @@ class Client:
         retry: bool = False,
         busy_wait: float | None = None,
     ) -> http.client.HTTPResponse:
-        payload = _ENCODER.encode(body) if body is not None else None
+        payload = None if body is None else _encode(body)
         hdrs = {"Accept": "application/json", **(headers or {})}
         if method == "POST":  # even without a body: the daemon refuses other types (415)
             hdrs["Content-Type"] = "application/json"

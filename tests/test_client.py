@@ -372,3 +372,25 @@ def test_every_post_says_its_body_is_json() -> None:
             assert hdrs.get("Content-Type") == "application/json", (path, hdrs)
     finally:
         fake.close()
+
+
+def test_json_only_the_stdlib_reads_and_writes_still_goes_through() -> None:
+    """msgspec refuses lone surrogates both ways (an undecodable command-line argument, an
+    escaped one in an answer); the client then falls back to the stdlib, as it did before,
+    so the answer (or the daemon's own clear refusal) comes through, never a traceback."""
+    answers = {
+        "/v1/events": b'{"events":[{"table":"\\udcff"}],"next":0,"more":false}',
+    }
+
+    def reply(h: http.server.BaseHTTPRequestHandler) -> None:
+        path = h.path.split("?")[0]
+        _send(h, answers[path] if h.command == "GET" else b'{"id":1}')
+
+    fake = _Fake(reply)
+    try:
+        c = Client(fake.url, timeout=10)
+        assert [e["table"] for e in c.events(0, 10)] == ["\udcff"]
+        c.add_event("CREATE_TABLE", db="d", table="\udcff")  # sent escaped, not refused
+        assert fake.seen[-1][0] == "POST"
+    finally:
+        fake.close()
