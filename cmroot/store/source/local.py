@@ -382,8 +382,8 @@ class LocalSession(Session):
     def remove_if_unchanged(self, rel: str, ident: str, tag: str, resumed: bool = False
                             ) -> bool:
         aside = f"{_TAKE}{tag}"
-        if resumed and (afd := self._find_aside(aside, rel, ident)) is not None:
-            return self._settle_aside(rel, afd, aside, ident)  # the try before died there
+        if resumed and (found := self._find_aside(aside, rel, ident)) is not None:
+            return self._settle_aside(rel, aside, *found)  # the try before died there
         try:
             pfd, name = self._parent(rel)
             st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
@@ -402,7 +402,8 @@ class LocalSession(Session):
         except FileNotFoundError:
             return False
         faults.point("source.taken_aside")
-        return self._settle_aside(rel, afd, aside, ident)
+        moved = os.stat(aside, dir_fd=afd, follow_symlinks=False)
+        return self._settle_aside(rel, aside, afd, _same_file(moved, ident))
 
     def _rename_aside(self, pfd: int, name: str, aside: str) -> int:
         """Rename `name` (in `pfd`) to `aside`, at the top of its root where it can be: a
@@ -428,8 +429,9 @@ class LocalSession(Session):
                 os.fstat(top).st_mode & stat.S_ISVTX or _inode_flags(top) & _PINNED)
         return held
 
-    def _find_aside(self, aside: str, rel: str, ident: str) -> int | None:
-        """The directory holding the aside of `rel`. The file copied is looked for in
+    def _find_aside(self, aside: str, rel: str, ident: str) -> tuple[int, bool] | None:
+        """The directory holding the aside of `rel`, and whether the aside is the file
+        copied (identity `ident`). The file copied is looked for in
         every directory that holds the path, from the outermost root's top down (a root
         added to or removed from the configuration since the take moves the top it went
         to); anything else of that name (a writer's file the take moved aside) only where
@@ -449,10 +451,10 @@ class LocalSession(Session):
             if st is None:
                 continue
             if _same_file(st, ident):
-                return fd
+                return fd, True
             if other is None and fd in places:
                 other = fd
-        return other
+        return None if other is None else (other, False)
 
     def _ancestors(self, rel: str) -> Iterator[int]:
         places = [(fd, below) for fd, below in self._outer]
@@ -468,11 +470,11 @@ class LocalSession(Session):
                         break  # nothing below a missing or swapped directory is ours
                     raise
 
-    def _settle_aside(self, rel: str, afd: int, aside: str, ident: str) -> bool:
+    def _settle_aside(self, rel: str, aside: str, afd: int, copied: bool) -> bool:
         """Remove what a take moved aside (`aside` in `afd`) if it is the file copied
         (True); anything else (a writer's file, renamed over the name before the take's
         rename) goes back."""
-        if _same_file(os.stat(aside, dir_fd=afd, follow_symlinks=False), ident):
+        if copied:
             os.unlink(aside, dir_fd=afd)
             return True
         self._return_aside(rel, afd, aside)
@@ -494,10 +496,11 @@ class LocalSession(Session):
 
     def take_back(self, rel: str, ident: str, tag: str) -> bool:
         aside = f"{_TAKE}{tag}"
-        afd = self._find_aside(aside, rel, ident)
-        if afd is None:
+        found = self._find_aside(aside, rel, ident)
+        if found is None:
             return False
-        if not _same_file(os.stat(aside, dir_fd=afd, follow_symlinks=False), ident):
+        afd, copied = found
+        if not copied:
             # What the take found at the name and put aside (a writer's file renamed over
             # the source after the check) goes back; the copy of the old bytes is kept
             # all the same (the caller finds the name taken).
