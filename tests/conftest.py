@@ -21,7 +21,7 @@ for p in (TESTS.parent, TESTS):  # run from a checkout, installed or not, any im
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from cmroot_testlib import Clock, Env  # noqa: E402
+from cmroot_testlib import Clock, Env, bind_mount  # noqa: E402
 from remote_backends import RemoteWarehouse, memory_warehouse, s3_warehouse  # noqa: E402
 
 from cmroot.store import Store  # noqa: E402
@@ -50,6 +50,15 @@ def env(tmp_path: Path, clock: Clock) -> Iterator[Env]:
         d.mkdir()
     yield e
     e.close_all()
+
+
+@pytest.fixture
+def bind_mounted_warehouse(env: Env) -> Iterator[Env]:
+    """`env` with its warehouse root a bind mount of a directory on the store's filesystem:
+    same st_dev as the store, yet rename() between them fails with EXDEV (every move is a
+    take). Skipped where a bind mount cannot be made (not root)."""
+    with bind_mount(env.base / "real-warehouse", env.warehouse):
+        yield env
 
 
 @pytest.fixture

@@ -42,7 +42,6 @@ from cmroot_testlib import (
     Clock,
     Env,
     assert_retrievable,
-    bind_mount,
     index_counts,
     make_table,
     on_point,
@@ -56,13 +55,6 @@ from cmroot.store import RecycleRequest, Store
 from cmroot.store.layout.local import _HELD
 
 REPO = str(Path(__file__).resolve().parents[2])
-
-
-@pytest.fixture
-def bind_mounted_warehouse(env: Env):  # type: ignore[no-untyped-def]
-    """The warehouse root as a bind mount (as in tests/store/test_journal.py)."""
-    with bind_mount(env.base / "real-warehouse", env.warehouse):
-        yield env
 
 
 def _hidden(env: Env) -> list[str]:

@@ -65,13 +65,6 @@ from cmroot.store.source.local import identity
 from tests.adversarial.test_review37_take_aside import _all_back, _crash_aside, _hidden
 
 
-@pytest.fixture
-def bind_mounted_warehouse(env: Env):  # type: ignore[no-untyped-def]
-    """The warehouse root as a bind mount (as in tests/store/test_journal.py)."""
-    with bind_mount(env.base / "real-warehouse", env.warehouse):
-        yield env
-
-
 def _drop(store: Store, files: dict[str, bytes], table: str = "t") -> None:
     store.recycle(RecycleRequest(paths=sorted(files), op="DROP_TABLE", db="db", table=table))
 

@@ -49,8 +49,9 @@ from cmroot.store.warehouse import Warehouse
 from tests.adversarial.test_review33_processes import auth_line
 from tests.adversarial.test_review34_processes_fixes import requests_total, settled
 from tests.adversarial.test_review36_counting import Answer, Two, connect_to, read_answers
-from tests.server.cmroot_daemon import Daemon, write_files
+from tests.server.cmroot_daemon import Daemon
 from tests.server.test_processes import TWO, counter, started
+from tests.server.test_processes import _recycled as recycled
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -64,15 +65,6 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Two]:
     d = Daemon(tmp_path_factory.mktemp("r40two"), env={**TWO, **ENV})
     with d.serving(check_errors=False):
         yield Two(d, started(d))
-
-
-def recycled(d: Daemon, name: str, files: dict[str, bytes]) -> list[tuple[str, str, bytes]]:
-    paths = write_files(d.warehouse, {f"db.db/{name}/{k}": v for k, v in files.items()})
-    r = d.request("POST", "/v1/recycle", {"paths": [str(d.warehouse / "db.db" / name)],
-                                          "op": "DROP_TABLE", "db": "db", "table": name},
-                  scope="write")
-    assert r.status == 200, r
-    return [(p, cks.of_bytes(v), v) for p, v in zip(paths, files.values(), strict=True)]
 
 
 def obj_path(d: Daemon, c: str) -> Path:

@@ -80,13 +80,6 @@ from tests.adversarial.test_review39_take_root import (
 )
 
 
-@pytest.fixture
-def bind_mounted_warehouse(env: Env):  # type: ignore[no-untyped-def]
-    """The warehouse root as a bind mount (as in tests/store/test_journal.py)."""
-    with bind_mount(env.base / "real-warehouse", env.warehouse):
-        yield env
-
-
 def _fds() -> dict[int, str]:
     """The open descriptors, with what each names (the listing's own left out)."""
     out = {}

@@ -172,14 +172,6 @@ def test_a_rollback_never_leaves_a_warehouse_file_sharing_an_inode_with_an_objec
     assert_retrievable(reopened, {str(b): data}, status="cmroot")
 
 
-@pytest.fixture
-def bind_mounted_warehouse(env: Env):  # type: ignore[no-untyped-def]
-    """The warehouse root as a bind mount of a directory on the store's filesystem: same
-    st_dev as the store, yet rename() between them fails with EXDEV."""
-    with bind_mount(env.base / "real-warehouse", env.warehouse):
-        yield env
-
-
 def test_recovery_on_a_bind_mount_takes_the_method_from_the_journal(
     bind_mounted_warehouse: Env,
 ) -> None:
