@@ -368,16 +368,17 @@ class Reader:
                 return None
             if check.matched:
                 return self._verified(Status.CMROOT, c, fd, check)
-            self._mismatch(key, c, fd)
+            if self.readonly:
+                raise self._left(key, c)
+            self._report(key, c, self._quarantine(c, os.fstat(fd)))
         except BaseException:
             os.close(fd)
             raise
         os.close(fd)
-        raise (LeftCorrupt if self.readonly else Quarantined)(
+        raise Quarantined(
             "stored object is corrupt",
-            f"object {c} of {key} does not hash to its name"
-            + ("; quarantined" if not self.readonly else "")
-            + "; not served: run cmroot fsck",
+            f"object {c} of {key} does not hash to its name; quarantined; not served: run"
+            " cmroot fsck",
         )
 
     def _remote_object(
@@ -392,10 +393,7 @@ class Reader:
         with tmp:
             if got != c:
                 if self.readonly:
-                    log.warning("stored object is corrupt, not served; left to the store's"
-                                " writer", extra={"checksum": c, "path": key})
-                    raise LeftCorrupt("stored object is corrupt", f"object {c} of {key} does"
-                                      " not hash to its name; not served: run cmroot fsck")
+                    raise self._left(key, c)
                 where = layout.quarantine_object(c, ident, self.clock())
                 self._report(key, c, where)
                 raise Quarantined(
@@ -408,14 +406,14 @@ class Reader:
         data = cks.read_fd(fd, st.st_size) if st.st_size <= inline_max else None
         return Verified(Status.CMROOT, c, st.st_size, ident_of(st), fd, data)
 
-    def _mismatch(self, key: str, c: str, fd: int) -> None:
-        if self.readonly:
-            # Left to the writer (LeftCorrupt), who counts and reports it when it meets
-            # it: a serving process passes the request on to the primary for that.
-            log.warning("stored object is corrupt, not served; left to the store's writer",
-                        extra={"checksum": c, "path": key})
-            return
-        self._report(key, c, self._quarantine(c, os.fstat(fd)))
+    def _left(self, key: str, c: str) -> LeftCorrupt:
+        """What a read-only reader raises for a corrupt object: left to the writer, who
+        counts and reports it when it meets it (a serving process passes the request on
+        to the primary for that)."""
+        log.warning("stored object is corrupt, not served; left to the store's writer",
+                    extra={"checksum": c, "path": key})
+        return LeftCorrupt("stored object is corrupt", f"object {c} of {key} does not hash"
+                           " to its name; not served: run cmroot fsck")
 
     def _report(self, key: str, c: str, where: str | None) -> None:
         """Count and log a corrupt object once: by the reader that moved it to quarantine
