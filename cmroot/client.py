@@ -31,19 +31,7 @@ from cmroot.exceptions import (
     for_status,
 )
 
-_ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder()
-
-
-def _encode(body: Any) -> bytes:
-    try:
-        return _ENCODER.encode(body)
-    except UnicodeEncodeError:
-        # A lone surrogate (an undecodable command-line argument): sent escaped, as the
-        # stdlib writes it, for the daemon to refuse with its own clear answer.
-        return json.dumps(body, separators=(",", ":")).encode()
-
-
 # The daemon closes a kept-alive connection after server.keepalive_timeout of quiet (15 s
 # by default); one idle this long is not reused, so that a request is never written into
 # a connection the daemon is closing at that instant (one it closed sooner is seen closed
@@ -418,10 +406,10 @@ class Client:
         try:
             # msgspec: a 10,000-pair resolve answer decodes several times faster
             out = _DECODER.decode(data)
-        except msgspec.DecodeError:
-            try:  # what only the stdlib reads (an escaped lone surrogate), or no JSON
+        except (msgspec.DecodeError, ValueError, RecursionError):
+            try:  # what only the stdlib reads (a lone surrogate), or no JSON
                 out = json.loads(data)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise CmrootError(
                     "bad answer from the cmroot daemon", f"{self.url}{path}: {e}"
                 ) from None
@@ -449,7 +437,9 @@ class Client:
         retry: bool = False,
         busy_wait: float | None = None,
     ) -> http.client.HTTPResponse:
-        payload = None if body is None else _encode(body)
+        # The stdlib writes requests: msgspec would send NaN/Infinity as null (a lease of
+        # inf taken for "none given") and bytes as base64, where the stdlib refuses both.
+        payload = json.dumps(body, separators=(",", ":")).encode() if body is not None else None
         hdrs = {"Accept": "application/json", **(headers or {})}
         if method == "POST":  # even without a body: the daemon refuses other types (415)
             hdrs["Content-Type"] = "application/json"
