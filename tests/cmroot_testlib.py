@@ -24,6 +24,8 @@ from cmroot import config as cfgmod
 from cmroot import faults
 from cmroot.config import Config
 from cmroot.store import Store
+from cmroot.store.layout import shard_of
+from cmroot.store.layout.local import shard_levels
 
 T0 = 1_700_000_000.0
 INDEX_TABLES = ("objects", "entries", "events", "txs", "journal")
@@ -90,9 +92,18 @@ class Env:
     def objects_dir(self) -> Path:
         return self.store_root / "objects"
 
+    def object_path(self, checksum: str) -> Path:
+        return object_file(self.store_root, checksum)
+
     @property
     def staging_dir(self) -> Path:
         return self.store_root / "staging"
+
+
+def object_file(store_root: Path | str, checksum: str) -> Path:
+    """Where the local store at `store_root` keeps object `checksum` (its LAYOUT says)."""
+    return Path(store_root, "objects", shard_of(checksum, shard_levels(str(store_root))),
+                checksum)
 
 
 # -- building tables ----------------------------------------------------------------------
@@ -232,7 +243,7 @@ def assert_objects_match_names(env: Env) -> None:
     for p in object_files(env):
         c = p.name
         assert cks.of_local_file(str(p)) == c, f"object {p} does not hash to its name"
-        assert p.parent.name == c[2:4] and p.parent.parent.name == c[:2], f"{p} is mis-sharded"
+        assert p == object_file(env.store_root, c), f"{p} is mis-sharded"
 
 
 def assert_retrievable(store: Store, files: Mapping[str, bytes], status: str | None = None) -> None:

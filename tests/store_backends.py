@@ -26,6 +26,8 @@ from cmroot_testlib import Clock
 from cmroot import config as cfg
 from cmroot.config import Config
 from cmroot.store import Store
+from cmroot.store.layout import shard_of
+from cmroot.store.layout.local import shard_levels
 
 # Fault points a move recycle passes only on some staging methods (see cmroot.vocab.Method):
 # a take (copy, then remove the source once the copy is journaled) and a copy of a move
@@ -129,7 +131,9 @@ class StoreBackend:
         return {rel.rsplit("/", 1)[-1] for rel in self.store_at.names("objects")}
 
     def object_rel(self, checksum: str) -> str:
-        return f"objects/{checksum[:2]}/{checksum[2:4]}/{checksum}"
+        # Local stores made now are one-level; object stores are two-level (see Layout).
+        levels = shard_levels(self.store_at.path()) if self.store_at.local else 2
+        return f"objects/{shard_of(checksum, levels)}/{checksum}"
 
     def object_bytes(self, checksum: str) -> bytes | None:
         return self.store_at.read(self.object_rel(checksum))
@@ -189,10 +193,14 @@ def _bucket(prefix: str) -> str:
 
 
 @contextmanager
-def local_backend(tmp_path: Path, clock: Clock) -> Iterator[StoreBackend]:
-    """A local store directory and a local warehouse directory beside it."""
+def local_backend(tmp_path: Path, clock: Clock, two_level: bool = False
+                  ) -> Iterator[StoreBackend]:
+    """A local store directory and a local warehouse directory beside it; `two_level`: a
+    store made before LAYOUT files (`objects/ab/cd/<checksum>`)."""
     wh, st, out = _local(tmp_path / "warehouse"), _local(tmp_path / "cmroot"), _local(
         tmp_path / "outside")
+    if two_level:
+        os.makedirs(st.path("objects"))
     out.write("x", b"outside the roots")
     b = StoreBackend("local", wh, st, out, "rename", clock,
                      _config(st.base, wh.base, tmp_path / "work"))

@@ -27,11 +27,12 @@ lock) findings are looked at again after the walk; work in flight at that moment
 recycle between publish and commit, a sweep between unlink and forget) can still show:
 the CLI checks through the daemon whenever it can reach it.
 
-It streams: `objects/` is walked one `ab/cd` shard at a time in sorted order and compared
-with the index rows of that shard alone (`Index.objects_between`), so memory is one shard's
-worth, not the store's. Rows whose shard directory is absent are found by visiting every
-shard prefix the index has (a small index) or every possible prefix (a large one), never by
-loading all checksums. Report lists are capped (`limit`); counts are always exact.
+It streams: `objects/` is walked one shard directory at a time (`ab`; `ab/cd` in a
+two-level store) in sorted order and compared with the index rows of that shard alone
+(`Index.objects_between`), so memory is one shard's worth, not the store's. Rows whose
+shard directory is absent are found by visiting every shard prefix the index has (a small
+index) or every possible prefix (a large one), never by loading all checksums. Report
+lists are capped (`limit`); counts are always exact.
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ _NAME = re.compile(r"[0-9a-f]{32}")
 _PREFIX = re.compile(r"[0-9a-f]{2}")
 LIMIT = 1000  # items kept per report list; counts are always complete
 # Up to this many indexed objects, the shards the index uses are found with one query per
-# top-level prefix (at most this many rows held at once); above it, every one of the 65,536
-# possible shards is asked for its own rows (about a second of queries, next to hours of
-# hashing such a store).
+# top-level prefix (at most this many rows held at once); above it, every possible shard
+# (256, or 65,536 in a two-level store) is asked for its own rows (about a second of
+# queries, next to hours of hashing such a store).
 SMALL_INDEX = 65_536
 
 KINDS = (
@@ -356,17 +357,23 @@ class _Walk:
 
     # -- which shards to visit ----------------------------------------------------------
     def plan(self) -> list[str]:
-        """Every shard ("ab/cd") present on disk or in the index, in sorted order, except
-        under an unreadable top-level directory. Strays found on the way are reported."""
+        """Every shard (`Layout.shard_of`) present on disk or in the index, in sorted
+        order, except under an unreadable top-level directory of a two-level store (an
+        unreadable shard is reported when visited). Strays found on the way are
+        reported."""
         top = self.layout.objects
         listed = self._list(top)
         if listed is None:
             return []
+        two = self.layout.shard_levels == 2
         on_disk: set[str] = set()
         unreadable_tops: set[str] = set()
         for entry in listed:
             if not (_PREFIX.fullmatch(entry.name) and _is_dir(entry)):
                 self.report.add("stray", entry.path)
+                continue
+            if not two:
+                on_disk.add(entry.name)
                 continue
             subs = self._list(entry.path)
             if subs is None:
@@ -377,16 +384,13 @@ class _Walk:
                     on_disk.add(f"{entry.name}/{sub.name}")
                 else:
                     self.report.add("stray", sub.path)
-        tops = [f"{i:02x}" for i in range(256)]
-        in_index: set[str] = set()
+        tops = [t for t in (f"{i:02x}" for i in range(256)) if t not in unreadable_tops]
         if self.index.stats()[0] <= SMALL_INDEX:
-            for t in tops:
-                if t not in unreadable_tops:
-                    in_index.update(f"{c[:2]}/{c[2:4]}" for c in self._rows(t))
+            in_index = {self.layout.shard_of(c) for t in tops for c in self._rows(t)}
+        elif two:
+            in_index = {f"{t}/{i:02x}" for t in tops for i in range(256)}
         else:
-            in_index = {
-                f"{t}/{i:02x}" for t in tops if t not in unreadable_tops for i in range(256)
-            }
+            in_index = set(tops)
         return sorted(on_disk | in_index)
 
     def _list(self, path: str) -> list[os.DirEntry[str]] | None:
@@ -596,7 +600,7 @@ class _Walk:
         if self.index.get_object(name) is None:
             self.report.add("unindexed", name)
             self._register(name, size)
-        if f"{name[:2]}/{name[2:4]}" > self.current:
+        if self.layout.shard_of(name) > self.current:
             self.moved_ahead.add(name)
 
     # -- rows whose object is gone ------------------------------------------------------

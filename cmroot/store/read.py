@@ -279,7 +279,7 @@ class Reader:
     def _cached_object(self, objects: str, c: str, inline_max: int) -> Verified:
         ofd = confined.open_cached(confined.AT_FDCWD, objects, DIR_FLAGS, beneath=False)
         try:
-            fd = _open_regular_cached(ofd, object_rel(c))
+            fd = _open_regular_cached(ofd, self.layout.object_rel(c))
         finally:
             os.close(ofd)
         found = None if fd is None else self._cached_verified(
@@ -356,7 +356,7 @@ class Reader:
             return self._remote_object(self.layout, key, c, inline_max)
         try:
             with confined.directory(self.layout.objects) as ofd:
-                fd = confined.open_beneath(ofd, object_rel(c), READ_FLAGS)
+                fd = confined.open_beneath(ofd, self.layout.object_rel(c), READ_FLAGS)
         except OSError as e:
             if e.errno in NO_FILE:
                 return None
@@ -438,7 +438,7 @@ class Reader:
         try:
             with (
                 confined.directory(self.layout.objects) as ofd,
-                confined.parent_of(ofd, object_rel(c)) as (sfd, base),
+                confined.parent_of(ofd, self.layout.object_rel(c)) as (sfd, base),
                 confined.directory(self.layout.quarantine) as qfd,
             ):
                 cur = os.stat(base, dir_fd=sfd, follow_symlinks=False)
@@ -551,11 +551,6 @@ def _open_regular_cached(dir_fd: int, rel: str) -> int | None:
         os.close(fd)
         raise BlockingIOError(errno.EAGAIN, "replaced while opened", rel)
     return fd
-
-
-def object_rel(checksum: str) -> str:
-    """An object's path below the objects directory (see Layout.object_path)."""
-    return f"{checksum[:2]}/{checksum[2:4]}/{checksum}"
 
 
 def root_rel(loc: Located) -> str:

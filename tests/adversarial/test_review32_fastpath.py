@@ -24,13 +24,20 @@ TESTS = Path(__file__).resolve().parents[1]
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
-from cmroot_testlib import index_counts, make_table, object_files, table_dir, write_file  # noqa: E402
+from cmroot_testlib import (  # noqa: E402
+    index_counts,
+    make_table,
+    object_file,
+    object_files,
+    table_dir,
+    write_file,
+)
 
 from cmroot import checksum as cks  # noqa: E402
 from cmroot.exceptions import BadRequest, NotFound, OutsideRoots  # noqa: E402
 from cmroot.store import RecycleRequest, Store  # noqa: E402
 from cmroot.store import read as read_mod  # noqa: E402
-from cmroot.store.read import Verified, WouldBlock, object_rel  # noqa: E402
+from cmroot.store.read import Verified, WouldBlock  # noqa: E402
 
 INLINE = 1 << 20
 HOUR = 3600.0
@@ -122,7 +129,7 @@ def _recycle(store: Store, p: Path, mode: str = "move") -> None:
 
 
 def _object(env, c: str) -> Path:
-    return Path(env.store_root) / "objects" / object_rel(c)
+    return env.object_path(c)
 
 
 def _evict(path: Path | str) -> bool:
@@ -453,7 +460,7 @@ def test_a_corrupt_object_is_quarantined_once_and_counted(make_daemon) -> None:
     p = write_file(d.warehouse / "db.db" / "t" / "f", data)
     r = d.request("POST", "/v1/recycle", {"paths": [str(p)], "op": "DROP_TABLE"})
     assert r.status == 200, r
-    obj = d.store / "objects" / object_rel(c)
+    obj = object_file(d.store, c)
     with open(obj, "r+b") as f:
         f.write(b"X")
     got = [d.request("GET", d.files_url(str(p), c)) for _ in range(5)]
@@ -477,7 +484,7 @@ def test_evicted_pages_fall_back_to_the_thread(make_daemon) -> None:
     assert (r.status, r.headers["X-Cmroot-Status"], r.body) == (200, "original", data)
     r = d.request("POST", "/v1/recycle", {"paths": [str(p)], "op": "DROP_TABLE"})
     assert r.status == 200
-    assert _evict(d.store / "objects" / object_rel(c))
+    assert _evict(object_file(d.store, c))
     r = d.request("GET", d.files_url(str(p), c), headers={"Range": "bytes=5-9"})
     assert (r.status, r.headers["X-Cmroot-Status"], r.body) == (206, "cmroot", data[5:10])
 
@@ -692,13 +699,14 @@ def test_sweep_failures_are_reported_and_the_rest_go(env, store: Store, clock) -
     everything = {cks.of_bytes(b) for b in files.values()}
     by_shard: dict[str, list[str]] = {}
     for c in sorted(everything):
-        by_shard.setdefault(c[:2] + "/" + c[2:4], []).append(c)
+        by_shard.setdefault(str(env.object_path(c).parent.relative_to(env.objects_dir)),
+                            []).append(c)
     objs = Path(env.store_root) / "objects"
     frozen_shard = next(s for s, cs in by_shard.items() if len(cs) >= 1)
     frozen = set(by_shard[frozen_shard])
     others = sorted(everything - frozen)
     as_dir = others[0]  # an object replaced by a non-empty directory
-    obj = objs / object_rel(as_dir)
+    obj = env.object_path(as_dir)
     saved = obj.read_bytes()
     obj.unlink()
     (obj / "x").mkdir(parents=True)

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cmroot_testlib import object_file
 
 from cmroot import checksum as cks
 from cmroot.server.app import LIMITS
@@ -513,7 +514,7 @@ def test_a_corrupt_object_is_never_served_by_either_process(two: Daemon) -> None
     for _ in range(N // 4):  # both processes have verified (and may trust) it
         r = two.request("GET", url, scope="read")
         assert (r.status, r.body) == (200, data)
-    obj = two.store / "objects" / c[:2] / c[2:4] / c
+    obj = object_file(two.store, c)
     os.chmod(obj, 0o644)
     with open(obj, "r+b") as f:
         f.write(b"X" * 16)  # same size, other bytes

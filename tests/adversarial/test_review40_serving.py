@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cmroot_testlib import object_file
 
 from cmroot import checksum as cks
 from cmroot.exceptions import CmrootError, OutsideRoots
@@ -68,7 +69,7 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Two]:
 
 
 def obj_path(d: Daemon, c: str) -> Path:
-    return d.store / "objects" / c[:2] / c[2:4] / c
+    return object_file(d.store, c)
 
 
 def corrupt(d: Daemon, c: str, at: int = 0) -> None:

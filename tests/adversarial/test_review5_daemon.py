@@ -10,7 +10,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from cmroot_testlib import Env
+from cmroot_testlib import Env, object_file
 
 from cmroot import checksum as cks
 from cmroot.exceptions import CmrootError
@@ -123,7 +123,7 @@ def test_file_whose_parent_is_swapped_for_a_symlink_in_a_loop_never_moves_outsid
         th.join(10)
     assert (out_t / "f").read_bytes() == b"outside secret\n"
     secret = cks.of_bytes(b"outside secret\n")
-    assert not (env.store_root / "objects" / secret[:2] / secret[2:4] / secret).exists()
+    assert not (object_file(env.store_root, secret)).exists()
     if t.is_symlink():
         t.unlink()
     assert resolve_status(store, t / "f", b"outside secret\n") == "missing"

@@ -63,6 +63,7 @@ from cmroot.client import Client
 from cmroot.config import Config, load
 from cmroot.index import Entry, Event, Index
 from cmroot.store import RecycleRequest, Store
+from cmroot.store.layout import shard_of
 
 from .harness import (
     TABLE_HEADER,
@@ -310,7 +311,9 @@ def files_url(path: str, checksum: str) -> str:
 
 
 def object_url(checksum: str) -> str:
-    return f"/{checksum[:2]}/{checksum[2:4]}/{checksum}"
+    """An object's URL on the nginx baseline, whose root is the store's `objects/` (the
+    stores this bench makes are new, so one-level: see cmroot.store.layout.local)."""
+    return f"/{shard_of(checksum, 1)}/{checksum}"
 
 
 def fetch(port: int, url: str, expect_checksum: str | None = None) -> tuple[int, dict[str, str]]:

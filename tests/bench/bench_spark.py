@@ -20,7 +20,7 @@ Each side is its own Spark application (local[2], Hive support, embedded Derby m
 "without" is plain PySpark, "with" adds exactly what `cmroot.spark.configure` sets and talks
 to a real `cmroot serve` on loopback whose store is on the same filesystem as the warehouse
 (recycling is a rename, as the README asks) and in steady state: its shard directories
-exist, as in any store past a few hundred thousand objects (see steady_state_shards). Both
+exist, as in any store past a few thousand objects (see steady_state_shards). Both
 sides run the same statements on identical
 tables copied from one generated master (each copy's last value stamped with a digest of
 its table and name, so that no table repeats another's bytes and the store sees new
@@ -392,14 +392,18 @@ def profiled_daemon(out: str) -> int:
 
 
 def steady_state_shards(store: Path) -> None:
-    """Make every objects/ab/cd shard directory of a store about to be created. A store past
-    a few hundred thousand objects has them all, so its recycles never make one; a new
-    store makes one on nearly every object, a one-off cost that bench_core's
-    recycle-small-new row measures and that would otherwise dominate every round here."""
-    hexes = [f"{i:02x}" for i in range(256)]
-    for a in hexes:
-        for b in hexes:
-            os.makedirs(store / "objects" / a / b, exist_ok=True)
+    """Make every shard directory (`objects/ab`) of a store about to be created. A store
+    past a few thousand objects has all 256, so its recycles never make one; a new store
+    makes one on each of its first uses, a one-off cost that bench_core's
+    recycle-small-new row measures. The LAYOUT file is written first, as the store would:
+    an `objects/` made without it would be taken for a two-level store of old."""
+    from cmroot.store.layout import shard_of
+    from cmroot.store.layout.local import shard_levels
+
+    store.mkdir(parents=True, exist_ok=True)
+    levels = shard_levels(str(store))
+    for i in range(256):
+        os.makedirs(store / "objects" / shard_of(f"{i:02x}00", levels), exist_ok=True)
 
 
 def start_daemon(base: Path, profile: Path | None) -> Any:
@@ -430,7 +434,7 @@ def report(scale_name: str, scale: Scale, reps: int, ops: list[str], size: int,
           f"{size / scale.files / 1024:.0f} KiB each (TRUNCATE: over {scale.partitions} "
           f"partitions); median of {reps} rounds after {scale.warmup} warm-up; "
           f"{recycled} files recycled by the hooked side; {os.cpu_count()} CPUs"
-          + ("" if scale_name == "smoke" else "; the store in steady state (its 65,536"
+          + ("" if scale_name == "smoke" else "; the store in steady state (its 256"
              " shard directories made beforehand)") + "\n")
     print("| operation | files | without hook (s) | with hook (s) | ratio | goal |")
     print("|---|---|---|---|---|---|")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cmroot_testlib import object_file
 
 from cmroot import checksum as cks
 from cmroot.exceptions import CmrootError, DaemonUnavailable
@@ -123,7 +124,7 @@ def _assert_all_or_nothing(
         assert tree(table) == before
         assert entries == 0 and events == []
         for s in sums.values():
-            assert not (d.store / "objects" / s[:2] / s[2:4] / s).exists(), "phantom object"
+            assert not (object_file(d.store, s)).exists(), "phantom object"
         return "rolled back"
     # applied: nothing left at the source, every object holds the exact bytes
     assert not any(Path(p).exists() for p in files)

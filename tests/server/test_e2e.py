@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cmroot_testlib import object_file
 
 from cmroot import checksum as cks
 from cmroot.exceptions import NotFound
@@ -33,7 +34,7 @@ def _table(
 
 
 def _object_path(d: Daemon, checksum: str) -> str:
-    return str(d.store / "objects" / checksum[:2] / checksum[2:4] / checksum)
+    return str(object_file(d.store, checksum))
 
 
 @pytest.fixture

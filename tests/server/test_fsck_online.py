@@ -12,6 +12,8 @@ import sys
 import threading
 from pathlib import Path
 
+from cmroot_testlib import object_file
+
 from cmroot import checksum as cks
 from tests.server.cmroot_daemon import Daemon, MakeDaemon, assert_error, write_files
 
@@ -31,7 +33,7 @@ def cli(d: Daemon, *args: str, url: bool = False) -> subprocess.CompletedProcess
 
 
 def object_path(d: Daemon, checksum: str) -> Path:
-    return d.store / "objects" / checksum[:2] / checksum[2:4] / checksum
+    return object_file(d.store, checksum)
 
 
 def recycle(d: Daemon, name: str, data: bytes) -> dict[str, str]:

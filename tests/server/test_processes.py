@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cmroot_testlib import object_file
 
 from cmroot import checksum as cks
 from tests.server.cmroot_daemon import Daemon, MakeDaemon, write_files
@@ -349,7 +350,7 @@ def test_a_corrupt_object_met_by_a_serving_process_is_quarantined_by_the_primary
     from tests.adversarial.test_review36_counting import connect_to, read_answers
 
     [(p, c, data)] = _recycled(two, "corrupt_on_serving", {"f": os.urandom(5000)})
-    obj = two.store / "objects" / c[:2] / c[2:4] / c
+    obj = object_file(two.store, c)
     os.chmod(obj, 0o644)
     with open(obj, "r+b") as f:
         f.write(b"X" * 16)  # same size, other bytes

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from cmroot_testlib import object_file
 
 from cmroot import checksum as cks
 from cmroot.exceptions import CmrootError
@@ -107,7 +108,7 @@ def test_a_corrupt_object_is_healed_by_the_next_recycle_of_the_same_bytes(
     c = daemon.client("write")
     c.recycle(list(a), op="DROP_TABLE", db="db", table="a")
     checksum = cks.of_bytes(data)
-    obj = daemon.store / "objects" / checksum[:2] / checksum[2:4] / checksum
+    obj = object_file(daemon.store, checksum)
     obj.write_bytes(b"bit rot" * 10)
     b = write_files(daemon.warehouse / "db.db" / "b", {"f": data})
     c.recycle(list(b), op="DROP_TABLE", db="db", table="b")  # used to be a 409 forever

@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 
 import pytest
+from cmroot_testlib import object_file
 
 from cmroot import checksum as cks
-from cmroot.store.read import object_rel
 from tests.server.cmroot_daemon import Daemon, write_files
 
 
@@ -35,7 +35,7 @@ def test_an_object_not_in_the_page_cache_is_served_from_a_thread(daemon: Daemon)
     r = daemon.request("POST", "/v1/recycle", {"paths": [p], "op": "DROP_TABLE", "db": "db",
                                                "table": "t"}, scope="write")
     assert r.status == 200, r
-    if not _evicted(str(daemon.store / "objects" / object_rel(c))):
+    if not _evicted(str(object_file(daemon.store, c))):
         pytest.skip("this filesystem keeps the pages (tmpfs?): RWF_NOWAIT cannot refuse")
     for _ in range(2):  # the thread's read, then (its pages cached) the event loop's
         r = daemon.request("GET", daemon.files_url(p, c), scope="read")

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from cmroot import checksum as cks
 from cmroot.exceptions import BadRequest, NotFound, OutsideRoots
 from cmroot.store import Quarantined, RecycleRequest, Store
-from cmroot.store.read import Verified, WouldBlock, object_rel
+from cmroot.store.read import Verified, WouldBlock
 
 INLINE = 1 << 20
 
@@ -50,7 +50,7 @@ def _recycle(store: Store, p: Path, mode: str = "move") -> None:
 
 
 def _object(env, c: str) -> Path:
-    return Path(env.store_root) / "objects" / object_rel(c)
+    return env.object_path(c)
 
 
 def test_an_original_and_a_recycled_copy_are_answered_from_memory(env, store: Store) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from cmroot_testlib import (
+    Env,
     assert_objects_match_names,
     assert_retrievable,
     index_counts,
@@ -26,6 +27,7 @@ from cmroot_testlib import (
 from cmroot import checksum as cks
 from cmroot.exceptions import NotFound
 from cmroot.store import RecycleRequest, Store
+from cmroot.store.layout.local import shard_levels
 
 
 def recycled(env, store: Store, n: int = 4) -> dict[str, bytes]:
@@ -34,8 +36,17 @@ def recycled(env, store: Store, n: int = 4) -> dict[str, bytes]:
     return files
 
 
+@pytest.fixture(params=[1, 2], ids=["one-level", "two-level"])
+def env(request: pytest.FixtureRequest, env: Env) -> Env:
+    """Every check on both layouts: a store made now (`objects/ab/<checksum>`), and one
+    made before LAYOUT files (`objects/ab/cd/<checksum>`), which is kept so."""
+    if request.param == 2:
+        (env.store_root / "objects").mkdir(parents=True)
+    return env
+
+
 def obj(env, c: str) -> Path:
-    return env.objects_dir / c[:2] / c[2:4] / c
+    return env.object_path(c)
 
 
 def quarantined(env, c: str) -> list[Path]:
@@ -44,8 +55,12 @@ def quarantined(env, c: str) -> list[Path]:
     return sorted(q.glob(f"{c}.*")) if q.exists() else []
 
 
-def stray_dir(c: str, before: bool) -> tuple[str, str]:
+def stray_dir(env, c: str, before: bool) -> tuple[str, ...]:
     """A shard directory that is not c's, sorting before (or after) c's own."""
+    if shard_levels(str(env.store_root)) == 1:
+        if before:
+            return ("00",) if c[:2] != "00" else ("01",)
+        return ("ff",) if c[:2] != "ff" else ("fe",)
     if before:
         return ("00", "00") if c[:4] != "0000" else ("00", "01")
     return ("ff", "ff") if c[:4] != "ffff" else ("ff", "fe")
@@ -58,7 +73,7 @@ def test_a_healthy_store_is_clean(env, store: Store) -> None:
     assert r.clean and r.checked == 6
     assert r.to_json()["clean"] is True
     # progress once per shard visited, in order
-    shards = {(c[:2], c[2:4]) for c in map(cks.of_bytes, files.values())}
+    shards = {env.object_path(c).parent for c in map(cks.of_bytes, files.values())}
     assert seen == [(i, len(shards)) for i in range(1, len(shards) + 1)]
     assert r.shards == len(shards)
     assert store.fsck(repair=True).clean
@@ -185,7 +200,7 @@ def test_a_valid_object_in_the_wrong_shard_is_moved_home_with_its_rows(env, stor
     files = recycled(env, store)
     path, data = sorted(files.items())[0]
     c = cks.of_bytes(data)
-    wrong = env.objects_dir.joinpath(*stray_dir(c, before), c)
+    wrong = env.objects_dir.joinpath(*stray_dir(env, c, before), c)
     wrong.parent.mkdir(parents=True, exist_ok=True)
     os.rename(obj(env, c), wrong)
 
@@ -212,7 +227,7 @@ def test_a_stray_duplicate_of_a_placed_object_is_removed_rows_kept(env, store, b
     files = recycled(env, store)
     path, data = sorted(files.items())[0]
     c = cks.of_bytes(data)
-    dup = write_file(env.objects_dir.joinpath(*stray_dir(c, before), c), data)
+    dup = write_file(env.objects_dir.joinpath(*stray_dir(env, c, before), c), data)
 
     r = store.fsck()
     assert r.misplaced == [
@@ -234,7 +249,7 @@ def test_a_valid_stray_copy_replaces_a_corrupt_one_at_its_place(env, store, befo
     files = recycled(env, store)
     path, data = sorted(files.items())[0]
     c = cks.of_bytes(data)
-    good = write_file(env.objects_dir.joinpath(*stray_dir(c, before), c), data)
+    good = write_file(env.objects_dir.joinpath(*stray_dir(env, c, before), c), data)
     obj(env, c).write_bytes(b"rotten " + data)  # a new inode: the stray copy is unaffected
 
     r = store.fsck()
@@ -259,7 +274,7 @@ def test_an_unindexed_object_in_the_wrong_shard_is_moved_and_registered(env, sto
     recycled(env, store, n=1)
     data = b"misfiled and unknown"
     c = cks.of_bytes(data)
-    wrong = write_file(env.objects_dir.joinpath(*stray_dir(c, True), c), data)
+    wrong = write_file(env.objects_dir.joinpath(*stray_dir(env, c, True), c), data)
     r = store.fsck(repair=True)
     assert r.unindexed == [c] and r.corrupt == []
     assert obj(env, c).read_bytes() == data and not wrong.exists()
@@ -271,7 +286,7 @@ def test_bytes_not_hashing_to_their_name_in_the_wrong_shard_are_quarantined(env,
     files = recycled(env, store)
     path, data = sorted(files.items())[0]
     c = cks.of_bytes(data)
-    bogus = write_file(env.objects_dir.joinpath(*stray_dir(c, True), c), b"not it")
+    bogus = write_file(env.objects_dir.joinpath(*stray_dir(env, c, True), c), b"not it")
 
     r = store.fsck()
     assert r.corrupt == [c] and r.misplaced == [] and bogus.exists()
@@ -336,13 +351,19 @@ def test_it_streams_shard_by_shard_and_finds_rows_of_a_vanished_shard(
     # never the whole index: one query per top-level prefix at most, and per shard
     assert asked and all(len(low) in (2, 4) and len(high) in (len(low), 1) for low, high in asked)
     assert not any(low == "" for low, _ in asked)
-    per_shard = [low for low, _ in asked if len(low) == 4]
-    settled = sorted({c[:4] for c in lost})  # the shards of missing rows, rechecked last
+    levels = shard_levels(str(env.store_root))
+    width = 2 * levels
+    per_shard = [low for low, _ in asked if len(low) == width]
+    if levels == 1 and small:
+        # the plan asks each top-level prefix first, which is each shard of this layout
+        assert per_shard[:256] == [f"{i:02x}" for i in range(256)]
+        per_shard = per_shard[256:]
+    settled = sorted({c[:width] for c in lost})  # the shards of missing rows, rechecked last
     walk = per_shard[: len(per_shard) - len(settled)]
     assert walk == sorted(walk)  # one shard at a time, in order
     assert per_shard[len(walk) :] == settled
     if not small:
-        assert len(walk) == 65536  # every possible shard, one at a time
+        assert len(walk) == 256**levels  # every possible shard, one at a time
     asked.clear()
     r = store.fsck(repair=True)
     assert r.missing == lost

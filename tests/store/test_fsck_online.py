@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cmroot_testlib import Env, held_at, write_file
+from cmroot_testlib import Env, held_at, object_file, write_file
 
 from cmroot import checksum as cks
 from cmroot.exceptions import BadRequest
@@ -21,7 +21,7 @@ def recycle(store: Store, path: Path) -> Callable[[], object]:
 
 
 def object_path(env: Env, c: str) -> Path:
-    return env.store_root / "objects" / c[:2] / c[2:4] / c
+    return object_file(env.store_root, c)
 
 
 def test_an_object_between_publish_and_commit_is_not_unindexed(

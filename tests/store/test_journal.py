@@ -163,7 +163,7 @@ def test_a_rollback_never_leaves_a_warehouse_file_sharing_an_inode_with_an_objec
     store.close()
     reopened = env.open()  # rolls A back
     c = cks.of_bytes(data)
-    obj = env.objects_dir / c[:2] / c[2:4] / c
+    obj = env.object_path(c)
     assert a.read_bytes() == data
     assert not _same_inode(a, obj)
     with open(a, "r+b") as f:  # an in-place write to the warehouse file

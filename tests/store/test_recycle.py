@@ -62,7 +62,7 @@ def test_round_trip_of_a_partitioned_table(env, store: Store, clock) -> None:
     # every file comes back with identical bytes; resolve says cmroot
     assert_retrievable(store, files, status="cmroot")
     for r in store.resolve(pairs_of(files)):
-        assert r.location == str(env.objects_dir / r.checksum[:2] / r.checksum[2:4] / r.checksum)
+        assert r.location == str(env.object_path(r.checksum))
         assert r.size == len(files[r.path])
     # the event: op, db, table, partitions, files
     [ev] = store.events()
@@ -296,7 +296,7 @@ def test_collision_guard_never_merges_different_bytes(env, store: Store, monkeyp
     src = str(write_file(env.warehouse / "db.db" / "t" / "f", data))
     other = str(write_file(env.warehouse / "db.db" / "t" / "g", b"other file"))
     c = cks.of_bytes(data)
-    squatter = env.objects_dir / c[:2] / c[2:4] / c
+    squatter = env.object_path(c)
     write_file(squatter, b"not the real bytes")
     real = cks.of_local_file
     monkeypatch.setattr(
@@ -320,7 +320,7 @@ def test_a_corrupt_object_is_healed_by_the_next_recycle_of_its_content(env, stor
     first = str(write_file(env.warehouse / "db.db" / "t" / "f", data))
     store.recycle(RecycleRequest(paths=[first], op="DELETE"))
     c = cks.of_bytes(data)
-    obj = env.objects_dir / c[:2] / c[2:4] / c
+    obj = env.object_path(c)
     obj.write_bytes(b"rotten" * 100)
     again = str(write_file(env.warehouse / "db.db" / "u" / "f", data))
     store.recycle(RecycleRequest(paths=[again], op="DELETE"))

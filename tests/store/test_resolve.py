@@ -128,7 +128,7 @@ def test_a_batch_of_thousands_mixing_original_cmroot_and_missing(env, store, clo
             assert r.location == r.path and r.size == len(kept[r.path])
         elif status == "cmroot":
             c = r.checksum
-            assert r.location == str(env.objects_dir / c[:2] / c[2:4] / c)
+            assert r.location == str(env.object_path(c))
             assert r.size == len(gone[r.path])
             with open(r.location, "rb") as f:
                 assert f.read() == gone[r.path]
@@ -165,7 +165,7 @@ def test_a_recorded_pair_whose_object_is_gone_is_missing(env, store) -> None:
     p = str(write_file(env.warehouse / "t" / "f", data))
     store.recycle(RecycleRequest(paths=[p], op="DELETE"))
     c = cks.of_bytes(data)
-    os.unlink(env.objects_dir / c[:2] / c[2:4] / c)
+    os.unlink(env.object_path(c))
     assert store.resolve([{"path": p, "checksum": c}])[0].status == "missing"
     with pytest.raises(NotFound):
         store.open_verified(p, c)

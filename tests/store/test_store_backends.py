@@ -388,6 +388,13 @@ class TestLocalStore(StoreInvariantTests):
             yield b
 
 
+class TestLocalTwoLevelStore(StoreInvariantTests):
+    @pytest.fixture
+    def backend(self, tmp_path: Path, clock: Clock) -> Iterator[StoreBackend]:
+        with local_backend(tmp_path, clock, two_level=True) as b:
+            yield b
+
+
 class TestS3StoreS3Warehouse(StoreInvariantTests):
     @pytest.fixture
     def backend(self, tmp_path: Path, clock: Clock, s3_client: Any) -> Iterator[StoreBackend]:

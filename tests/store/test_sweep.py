@@ -202,7 +202,7 @@ def test_a_failure_on_one_object_is_reported_and_the_rest_go(
 ) -> None:
     files = drop(env, store, "db", "t", n=8)
     victim = sorted(checksums(files))[3]
-    victim_path = str(env.objects_dir / victim[:2] / victim[2:4] / victim)
+    victim_path = str(env.object_path(victim))
     real_unlink = os.unlink
 
     def unlink(path, *a, **kw):
@@ -241,7 +241,7 @@ def test_sweep_skips_an_object_a_recycle_has_claimed(env, store: Store, clock) -
 def test_an_object_file_already_gone_is_still_forgotten(env, store: Store, clock) -> None:
     files = drop(env, store, "db", "t", n=1)
     [c] = checksums(files)
-    os.unlink(env.objects_dir / c[:2] / c[2:4] / c)
+    os.unlink(env.object_path(c))
     clock.advance(DAY)
     assert removed(store.gc()) == {c}
     assert index_counts(env)["objects"] == 0

@@ -1,6 +1,8 @@
 """Where the store keeps things, and every operation on them that depends on where that is.
 
-<root>/objects/ab/cd/<checksum>   content-addressed objects, immutable once published
+<root>/objects/ab/<checksum>      content-addressed objects, immutable once published
+                                 (`ab/cd/<checksum>` in object stores, and in local stores
+                                 made before the `LAYOUT` file: see LocalLayout)
 <root>/staging/<txid>/<seq>       files of a recycle in flight (named by the journal)
 <root>/trash/<YYYY-MM-DD>/<checksum>  expired objects when on_expire = "trash"
 <root>/quarantine/<checksum>.<unix time>  objects found corrupt (by fsck, a read, a heal)
@@ -25,7 +27,10 @@ from cmroot.durable import fsync_dir, sync_filesystem
 if TYPE_CHECKING:
     from cmroot.store.source import Session
 
-__all__ = ["Layout", "StagedInfo", "fsync_dir", "open_layout", "same_bytes", "sync_filesystem"]
+__all__ = [
+    "Layout", "StagedInfo", "fsync_dir", "open_layout", "same_bytes", "shard_of",
+    "sync_filesystem",
+]
 
 
 @dataclass(frozen=True)
@@ -51,8 +56,19 @@ class Layout(ABC):
     renames: bool  # whether a warehouse file can be renamed into staging
     scratch: str  # a local directory for spooled reads and copies in passing
 
+    # Directory levels between `objects` and an object: 2 (`ab/cd/<checksum>`), or 1
+    # (`ab/<checksum>`: local stores made since the LAYOUT file, see LocalLayout).
+    shard_levels: int = 2
+
+    def shard_of(self, checksum: str) -> str:
+        return shard_of(checksum, self.shard_levels)
+
+    def object_rel(self, checksum: str) -> str:
+        """An object's path below `objects`."""
+        return f"{shard_of(checksum, self.shard_levels)}/{checksum}"
+
     def object_path(self, checksum: str) -> str:
-        return f"{self.objects}/{checksum[:2]}/{checksum[2:4]}/{checksum}"
+        return f"{self.objects}/{self.object_rel(checksum)}"
 
     def staged_path(self, txid: str, seq: int) -> str:
         return f"{self.staging}/{txid}/{seq}"
@@ -169,6 +185,11 @@ class Layout(ABC):
     @abstractmethod
     def quarantined(self, checksum: str) -> bool:
         """Whether an object of this checksum was quarantined."""
+
+
+def shard_of(checksum: str, levels: int) -> str:
+    """An object's shard directory below `objects`: "ab", or "ab/cd" with two levels."""
+    return checksum[:2] if levels == 1 else f"{checksum[:2]}/{checksum[2:4]}"
 
 
 def open_layout(root: str, work: str) -> Layout:
