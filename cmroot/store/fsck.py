@@ -373,7 +373,7 @@ class _Walk:
                 self.report.add("stray", entry.path)
                 continue
             if not two:
-                on_disk.add(entry.name)
+                on_disk.add(entry.name)  # its `ab/cd` leftovers are walked with it
                 continue
             subs = self._list(entry.path)
             if subs is None:
@@ -382,6 +382,8 @@ class _Walk:
             for sub in subs:
                 if _PREFIX.fullmatch(sub.name) and _is_dir(sub):
                     on_disk.add(f"{entry.name}/{sub.name}")
+                elif _NAME.fullmatch(sub.name) and _regular(sub):
+                    on_disk.add(entry.name)  # a one-level object: walked, misplaced
                 else:
                     self.report.add("stray", sub.path)
         tops = [t for t in (f"{i:02x}" for i in range(256)) if t not in unreadable_tops]
@@ -410,20 +412,31 @@ class _Walk:
 
     # -- one shard ----------------------------------------------------------------------
     def shard(self, shard: str) -> None:
+        """Walk one directory of objects: a shard of the store's layout, or one of the
+        other layout's (a two-level store's `ab`, a one-level store's `ab/cd`: written by
+        a release that knew no LAYOUT file), whose objects are all misplaced."""
         self.current = shard
+        home = shard.count("/") + 1 == self.layout.shard_levels
         prefix = shard.replace("/", "")
         d = os.path.join(self.layout.objects, shard)
         entries = self._list(d)
         if entries is None:
             return  # unreadable: its rows stay, whatever they are
-        indexed = self._rows(prefix)
+        indexed = self._rows(prefix) if home else {}
         present: set[str] = set()
         to_hash: list[str] = []
+        below: list[str] = []
         for e in entries:
             if not (_NAME.fullmatch(e.name) and _regular(e)):
-                self.report.add("stray", e.path)
+                sub = "/" not in shard and _PREFIX.fullmatch(e.name) and _is_dir(e)
+                if sub and home:
+                    below.append(f"{shard}/{e.name}")  # one-level: a two-level leftover
+                elif not sub and (home or "/" in shard):
+                    self.report.add("stray", e.path)
+                # (else a two-level store's `ab`: its shards are walked on their own, and
+                # its plan reported its strays)
                 continue
-            if e.name.startswith(prefix):
+            if home and e.name.startswith(prefix):
                 present.add(e.name)  # hashed below; unreadable or not, it is there
                 if e.name in self.moved_ahead:
                     self.moved_ahead.discard(e.name)  # hashed (and registered) when moved
@@ -445,7 +458,7 @@ class _Walk:
             digest, size = res
             faults.point("fsck.object_hashed")
             try:
-                if not name.startswith(prefix):
+                if not home or not name.startswith(prefix):
                     self._misplaced(path, name, digest, size)
                 elif digest != name:
                     self._corrupt(path, name, shard)
@@ -456,6 +469,8 @@ class _Walk:
                 self.keep_rows.add(name)
         if any(c not in present for c in indexed):
             self.recheck.add(shard)
+        for leftover in below:
+            self.shard(leftover)
 
     def _corrupt(self, path: str, name: str, shard: str) -> None:
         if self.online and self.guard is None:

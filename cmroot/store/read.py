@@ -354,13 +354,10 @@ class Reader:
     def _object(self, key: str, c: str, inline_max: int) -> Verified | None:
         if isinstance(self.layout, RemoteLayout):
             return self._remote_object(self.layout, key, c, inline_max)
-        try:
-            with confined.directory(self.layout.objects) as ofd:
-                fd = confined.open_beneath(ofd, self.layout.object_rel(c), READ_FLAGS)
-        except OSError as e:
-            if e.errno in NO_FILE:
-                return None
-            raise
+        opened = self._open_object(c)
+        if opened is None:
+            return None
+        fd, rel = opened
         try:
             check = self._check(fd, c, inline_max, None)
             if check is None:
@@ -370,7 +367,7 @@ class Reader:
                 return self._verified(Status.CMROOT, c, fd, check)
             if self.readonly:
                 raise self._left(key, c)
-            self._report(key, c, self._quarantine(c, os.fstat(fd)))
+            self._report(key, c, self._quarantine(c, rel, os.fstat(fd)))
         except BaseException:
             os.close(fd)
             raise
@@ -380,6 +377,22 @@ class Reader:
             f"object {c} of {key} does not hash to its name; quarantined; not served: run"
             " cmroot fsck",
         )
+
+    def _open_object(self, c: str) -> tuple[int, str] | None:
+        """A read descriptor of local object `c` and its path below `objects` (its place,
+        else the other layout's: see Layout.object_rels); None if it is at neither."""
+        try:
+            with confined.directory(self.layout.objects) as ofd:
+                for rel in self.layout.object_rels(c):
+                    try:
+                        return confined.open_beneath(ofd, rel, READ_FLAGS), rel
+                    except OSError as e:
+                        if e.errno not in NO_FILE:
+                            raise
+        except OSError as e:
+            if e.errno not in NO_FILE:
+                raise
+        return None
 
     def _remote_object(
         self, layout: RemoteLayout, key: str, c: str, inline_max: int
@@ -430,15 +443,16 @@ class Reader:
             extra={"checksum": c, "path": key, "quarantined": where},
         )
 
-    def _quarantine(self, c: str, st: os.stat_result) -> str | None:
-        """Move the object we checked (the same inode, not whatever took its name since)
-        to <store>/quarantine/<checksum>.<unix time>; its new path, or None."""
+    def _quarantine(self, c: str, rel: str, st: os.stat_result) -> str | None:
+        """Move the object we checked at `rel` below `objects` (the same inode, not
+        whatever took its name since) to <store>/quarantine/<checksum>.<unix time>; its
+        new path, or None."""
         os.makedirs(self.layout.quarantine, exist_ok=True)
         name = f"{c}.{int(self.clock())}"
         try:
             with (
                 confined.directory(self.layout.objects) as ofd,
-                confined.parent_of(ofd, self.layout.object_rel(c)) as (sfd, base),
+                confined.parent_of(ofd, rel) as (sfd, base),
                 confined.directory(self.layout.quarantine) as qfd,
             ):
                 cur = os.stat(base, dir_fd=sfd, follow_symlinks=False)

@@ -101,8 +101,9 @@ class Resolver:
         recorded = self.index.recorded([(k, c) for _, k, c in rest])
         for i, key, c in rest:
             size = recorded.get((key, c))
-            if size is not None and self.layout.object_exists(c):
-                out[i] = Resolution(key, c, "cmroot", self.layout.location(c), size)
+            where = None if size is None else self.layout.find_object(c)
+            if where is not None:
+                out[i] = Resolution(key, c, "cmroot", where, size)
             else:
                 out[i] = Resolution(key, c, "missing")
         return [r for r in out if r is not None]

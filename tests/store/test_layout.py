@@ -1,8 +1,10 @@
 """Where a local store keeps its objects: `objects/ab/<checksum>` in a store made now (its
 LAYOUT file says so), `objects/ab/cd/<checksum>` in one made before LAYOUT files, which
 stays so across upgrades. A LAYOUT this cmroot does not know is refused before anything
-is written. Every invariant test also runs on both layouts (test_store_backends'
-TestLocalTwoLevelStore, test_fsck's `env`)."""
+is written. Objects found at the other layout's place (a downgrade, then an upgrade) are
+read, swept and quarantined there, and moved to their place by fsck --repair. Every
+invariant test also runs on both layouts (test_store_backends' TestLocalTwoLevelStore,
+test_fsck's `env`)."""
 
 from __future__ import annotations
 
@@ -16,11 +18,15 @@ from cmroot_testlib import (
     assert_objects_match_names,
     assert_retrievable,
     make_table,
+    object_files,
+    pairs_of,
     table_dir,
 )
 
+from cmroot import checksum as cks
 from cmroot.exceptions import ConfigError
-from cmroot.store import RecycleRequest, Store
+from cmroot.store import Quarantined, RecycleRequest, Store
+from cmroot.store.layout import shard_of
 from cmroot.store.layout.local import LAYOUT_FILE, shard_levels
 from tests.test_cli import cmroot
 
@@ -91,7 +97,7 @@ def test_concurrent_openers_of_a_new_store_agree(env: Env) -> None:
         start.wait()
         try:
             got.append(shard_levels(str(env.store_root)))
-        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+        except BaseException as e:  # reported by the assertion below
             got.append(e)
 
     threads = [threading.Thread(target=open_it) for _ in range(8)]
@@ -128,3 +134,70 @@ def test_the_cli_names_an_unknown_layout_in_one_line(env: Env) -> None:
     assert p.returncode != 0 and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1 and str(env.store_root / LAYOUT_FILE) in err, err
     untouched(env, b"objects/a/b/c/<checksum>\n")
+
+
+def other_place(env: Env, c: str) -> Path:
+    levels = shard_levels(str(env.store_root))
+    return env.objects_dir / shard_of(c, 3 - levels) / c
+
+
+def move_to_other_level(env: Env, c: str) -> Path:
+    """Put object `c` where a release that knew no LAYOUT file (or a newer one, for a
+    two-level store) would have: the other layout's place."""
+    dest = other_place(env, c)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    os.rename(env.object_path(c), dest)
+    return dest
+
+
+@pytest.fixture(params=[1, 2], ids=["one-level", "two-level"])
+def leveled(request: pytest.FixtureRequest, env: Env) -> Env:
+    if request.param == 2:
+        (env.store_root / "objects").mkdir(parents=True)
+    return env
+
+
+def test_objects_at_the_other_level_are_served_swept_and_moved_home(leveled: Env) -> None:
+    env = leveled
+    store = env.open()
+    files = drop(env, store, "t", 6)
+    sums = sorted({cks.of_bytes(b) for b in files.values()})
+    moved = {c: move_to_other_level(env, c) for c in sums[:3]}
+    # read where they are: resolve answers their real place, reads verify them there
+    by_sum = {r.checksum: r for r in store.resolve(pairs_of(files))}
+    for c, where in moved.items():
+        assert by_sum[c].status == "cmroot" and by_sum[c].location == str(where)
+    assert_retrievable(store, files, status="cmroot")
+    # fsck: misplaced, never missing; --repair moves them to their place, rows kept
+    report = store.fsck()
+    assert report.counts["missing"] == 0 and report.counts["stray"] == 0, report.to_json()
+    assert {m["checksum"] for m in report.misplaced} == set(moved)
+    assert store.fsck(repair=True).counts["missing"] == 0
+    assert all(env.object_path(c).exists() and not w.exists() for c, w in moved.items())
+    assert_objects_match_names(env)
+    assert store.fsck().clean
+
+
+def test_an_expired_object_at_the_other_level_is_swept(leveled: Env) -> None:
+    env = leveled
+    store = env.open()
+    files = drop(env, store, "t", 4)
+    moved = [move_to_other_level(env, c) for c in sorted({cks.of_bytes(b)
+                                                          for b in files.values()})[:2]]
+    env.clock.advance(2 * 86400)
+    assert store.gc().removed_objects == 4
+    assert not any(p.exists() for p in moved) and object_files(env) == []
+
+
+def test_a_corrupt_object_at_the_other_level_is_quarantined_from_there(leveled: Env) -> None:
+    env = leveled
+    store = env.open()
+    files = drop(env, store, "t", 2)
+    path, data = sorted(files.items())[0]
+    c = cks.of_bytes(data)
+    where = move_to_other_level(env, c)
+    where.write_bytes(b"rot" + data[3:])
+    with pytest.raises(Quarantined):
+        store.open_verified(path, c)
+    assert not where.exists()
+    assert [p.name.split(".")[0] for p in (env.store_root / "quarantine").iterdir()] == [c]

@@ -70,6 +70,11 @@ class Layout(ABC):
     def object_path(self, checksum: str) -> str:
         return f"{self.objects}/{self.object_rel(checksum)}"
 
+    def object_rels(self, checksum: str) -> tuple[str, ...]:
+        """Where object `checksum` may be below `objects`: its place, then (a local store)
+        the other layout's place, where a release that knew no LAYOUT file put it."""
+        return (self.object_rel(checksum),)
+
     def staged_path(self, txid: str, seq: int) -> str:
         return f"{self.staging}/{txid}/{seq}"
 
@@ -173,6 +178,10 @@ class Layout(ABC):
 
     @abstractmethod
     def object_exists(self, checksum: str) -> bool: ...
+
+    def find_object(self, checksum: str) -> str | None:
+        """Where object `checksum` is, as a resolve answers it; None if it is nowhere."""
+        return self.location(checksum) if self.object_exists(checksum) else None
 
     @abstractmethod
     def unlink_object(self, checksum: str) -> None:

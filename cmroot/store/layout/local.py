@@ -6,15 +6,21 @@ Objects are at `objects/ab/<checksum>`: 256 shard directories, each made on its 
 use. The two-level `objects/ab/cd/<checksum>` of stores made before needs up to 65,536,
 and a new store's first 10,000 recycled files made ~9,500 of them: a mkdir took ~130 us
 where publishing an object (a hard link) took ~15 us, so they cost a new store three
-times its recycles' other work. A store says which it is in its `LAYOUT`
-file, written before `objects/` exists; a store with `objects/` and no `LAYOUT` is of
-the two-level kind, and is kept so."""
+times its recycles' other work. A store says which it is in its `LAYOUT` file, written
+before `objects/` exists; a store with `objects/` and no `LAYOUT` is of the two-level
+kind, and is kept so (unless its objects say otherwise: a LAYOUT lost).
+
+An object may still sit at the other layout's place: a release that knew no LAYOUT file
+(a downgrade, then an upgrade) put it there. Reads, existence checks and removals look
+there too (`object_rels`), and `cmroot fsck --repair` moves it to its place."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
+import re
 import shutil
 import stat
 import threading
@@ -22,8 +28,10 @@ import threading
 from cmroot import checksum as cks
 from cmroot.durable import fsync_dir, sync_filesystem
 from cmroot.exceptions import ConfigError, Conflict, StoreLocked
-from cmroot.store.layout import Layout, StagedInfo, same_bytes
+from cmroot.store.layout import Layout, StagedInfo, same_bytes, shard_of
 from cmroot.store.source import Session
+
+log = logging.getLogger(__name__)
 
 # Stores this process holds the write lock of, by real path.
 _HELD: dict[str, int] = {}
@@ -33,6 +41,8 @@ LAYOUT_FILE = "LAYOUT"
 # What a LAYOUT file may say, and the shard levels it stands for.
 LAYOUTS = {"objects/ab/<checksum>": 1, "objects/ab/cd/<checksum>": 2}
 NEW_LAYOUT = "objects/ab/<checksum>"
+_PREFIX = re.compile(r"[0-9a-f]{2}")
+_OBJECT = re.compile(r"[0-9a-f]{32}")
 
 
 class LocalLayout(Layout):
@@ -194,17 +204,36 @@ class LocalLayout(Layout):
                 os.unlink(tmp)
         return bad
 
+    def object_rels(self, checksum: str) -> tuple[str, str]:
+        other = 3 - self.shard_levels
+        return self.object_rel(checksum), f"{shard_of(checksum, other)}/{checksum}"
+
+    def find_object(self, checksum: str) -> str | None:
+        for rel in self.object_rels(checksum):
+            path = f"{self.objects}/{rel}"
+            if os.path.exists(path):
+                return path
+        return None
+
     def object_exists(self, checksum: str) -> bool:
-        return os.path.exists(self.object_path(checksum))
+        return self.find_object(checksum) is not None
 
     def unlink_object(self, checksum: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.object_path(checksum))
+        for rel in self.object_rels(checksum):
+            try:
+                os.unlink(f"{self.objects}/{rel}")
+                return
+            except FileNotFoundError:
+                continue
 
     def trash_object(self, checksum: str, day: str) -> None:
         dest = os.path.join(self.trash, day, checksum[:2])
         os.makedirs(dest, exist_ok=True)
-        os.rename(self.object_path(checksum), os.path.join(dest, checksum))
+        home, other = (f"{self.objects}/{rel}" for rel in self.object_rels(checksum))
+        try:
+            os.rename(home, os.path.join(dest, checksum))
+        except FileNotFoundError:
+            os.rename(other, os.path.join(dest, checksum))
 
     def quarantined(self, checksum: str) -> bool:
         try:
@@ -216,22 +245,20 @@ class LocalLayout(Layout):
 def shard_levels(root: str) -> int:
     """The shard levels of the store at `root` (see the module's docstring). A new store
     (no `objects/` yet) is given the one-level layout: its LAYOUT file is made durable
-    before `objects/` exists, so that no crash leaves a one-level store looking like an
-    old one."""
+    before `objects/` exists, so that no crash or concurrent opener sees a one-level
+    store's `objects/` without its LAYOUT."""
     path = os.path.join(root, LAYOUT_FILE)
-    try:
-        with open(path, "rb") as f:
-            said = f.read(256).decode("ascii").strip()
-    except FileNotFoundError:
-        if os.path.lexists(os.path.join(root, "objects")):
-            return 2  # made before LAYOUT files
-        _write_layout(root, path)
-        return LAYOUTS[NEW_LAYOUT]
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(
-            f"cannot read the store's layout file {path}: {e}",
-            f"make it readable by this user; it holds one line, such as {NEW_LAYOUT!r}",
-        ) from None
+    said = _read_layout(path)
+    if said is None:
+        objects = os.path.join(root, "objects")
+        if not _exists(objects):
+            _write_layout(root, path)
+            return LAYOUTS[NEW_LAYOUT]
+        # Read again: another opener of this new store may have written LAYOUT and made
+        # `objects/` since the first look.
+        said = _read_layout(path)
+        if said is None:
+            return _levels_held(root, objects)
     if said not in LAYOUTS:
         raise ConfigError(
             f"the store's layout file {path} says {said[:80]!r}, which this cmroot does not"
@@ -239,6 +266,71 @@ def shard_levels(root: str) -> int:
             f"use the cmroot that made this store; this one knows {', '.join(LAYOUTS)}",
         )
     return LAYOUTS[said]
+
+
+def _read_layout(path: str) -> str | None:
+    """LAYOUT's line, or None if there is no LAYOUT. Opened without blocking and read only
+    if it is a regular file (a FIFO there would hang every open of the store)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise _unreadable(path, e) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"the store's layout file {path} is not a regular file",
+                              f"make it a file holding the line {NEW_LAYOUT!r}")
+        return os.read(fd, 256).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise _unreadable(path, e) from None
+    finally:
+        os.close(fd)
+
+
+def _unreadable(path: str, e: BaseException) -> ConfigError:
+    return ConfigError(
+        f"cannot read the store's layout file {path}: {e}",
+        f"make it a file readable by this user holding one line, such as {NEW_LAYOUT!r}",
+    )
+
+
+def _exists(path: str) -> bool:
+    """Whether anything is at `path`; an error to look is not an answer (lexists would
+    take it for absence, and a new LAYOUT would be written over an old store)."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise ConfigError(f"cannot look at the store's {path}: {e}",
+                          "make the store's directory readable by this user") from None
+    return True
+
+
+def _levels_held(root: str, objects: str) -> int:
+    """The levels of a store with `objects/` and no LAYOUT, as its first object or
+    second-level directory says: 2 (made before LAYOUT files) unless objects lie right
+    below `objects/ab/` (a one-level store whose LAYOUT was lost)."""
+    try:
+        with os.scandir(objects) as tops:
+            for top in tops:
+                if not (_PREFIX.fullmatch(top.name) and top.is_dir(follow_symlinks=False)):
+                    continue
+                with os.scandir(top.path) as entries:
+                    for e in entries:
+                        if _OBJECT.fullmatch(e.name) and e.is_file(follow_symlinks=False):
+                            log.warning(
+                                "the store has no LAYOUT file; its objects are one-level",
+                                extra={"store": root, "fix": f"write the line {NEW_LAYOUT}"
+                                       f" to {os.path.join(root, LAYOUT_FILE)}"})
+                            return 1
+                        if _PREFIX.fullmatch(e.name) and e.is_dir(follow_symlinks=False):
+                            return 2
+    except OSError as e:
+        raise ConfigError(f"cannot read the store's {objects}: {e}",
+                          "make it a directory readable by this user") from None
+    return 2
 
 
 def _write_layout(root: str, path: str) -> None:
