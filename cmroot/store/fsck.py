@@ -421,7 +421,11 @@ class _Walk:
         d = os.path.join(self.layout.objects, shard)
         entries = self._list(d)
         if entries is None:
-            return  # unreadable: its rows stay, whatever they are
+            # Unreadable: its rows stay, whatever they are (the other layout's directory
+            # may hold the only copy of objects whose own shard was walked already).
+            if not home:
+                self.keep_rows.update(self._rows(prefix))
+            return
         indexed = self._rows(prefix) if home else {}
         present: set[str] = set()
         to_hash: list[str] = []
@@ -555,6 +559,8 @@ class _Walk:
                 self.keep_rows.add(name)  # a recycle is at work on it: left for next time
 
     def _misplaced_settled(self, path: str, name: str, digest: str, size: int) -> None:
+        if _absent(path):
+            return  # swept or moved since it was hashed: nothing is there to place
         if digest != name:
             # Bytes that do not hash to their name, wherever they sit: corrupt. No rows
             # are touched here: they belong to the object's own place.

@@ -354,41 +354,40 @@ class Reader:
     def _object(self, key: str, c: str, inline_max: int) -> Verified | None:
         if isinstance(self.layout, RemoteLayout):
             return self._remote_object(self.layout, key, c, inline_max)
-        opened = self._open_object(c)
-        if opened is None:
-            return None
-        fd, rel = opened
-        try:
-            check = self._check(fd, c, inline_max, None)
-            if check is None:
+        quarantined = False
+        # Its place, then the other layout's (see Layout.object_rels): a corrupt copy at
+        # one is quarantined and the other still looked at.
+        for rel in self.layout.object_rels(c):
+            fd = self._open_object(rel)
+            if fd is None:
+                continue
+            try:
+                check = self._check(fd, c, inline_max, None)
+                if check is not None and check.matched:
+                    return self._verified(Status.CMROOT, c, fd, check)
+                if check is not None:
+                    if self.readonly:
+                        raise self._left(key, c)
+                    self._report(key, c, self._quarantine(c, rel, os.fstat(fd)))
+                    quarantined = True
+            except BaseException:
                 os.close(fd)
-                return None
-            if check.matched:
-                return self._verified(Status.CMROOT, c, fd, check)
-            if self.readonly:
-                raise self._left(key, c)
-            self._report(key, c, self._quarantine(c, rel, os.fstat(fd)))
-        except BaseException:
+                raise
             os.close(fd)
-            raise
-        os.close(fd)
+        if not quarantined:
+            return None
         raise Quarantined(
             "stored object is corrupt",
             f"object {c} of {key} does not hash to its name; quarantined; not served: run"
             " cmroot fsck",
         )
 
-    def _open_object(self, c: str) -> tuple[int, str] | None:
-        """A read descriptor of local object `c` and its path below `objects` (its place,
-        else the other layout's: see Layout.object_rels); None if it is at neither."""
+    def _open_object(self, rel: str) -> int | None:
+        """A read descriptor of the local object at `rel` below `objects`, reached with
+        no symlink followed; None if none is there."""
         try:
             with confined.directory(self.layout.objects) as ofd:
-                for rel in self.layout.object_rels(c):
-                    try:
-                        return confined.open_beneath(ofd, rel, READ_FLAGS), rel
-                    except OSError as e:
-                        if e.errno not in NO_FILE:
-                            raise
+                return confined.open_beneath(ofd, rel, READ_FLAGS)
         except OSError as e:
             if e.errno not in NO_FILE:
                 raise

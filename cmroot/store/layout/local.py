@@ -17,6 +17,7 @@ there too (`object_rels`), and `cmroot fsck --repair` moves it to its place."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -24,10 +25,12 @@ import re
 import shutil
 import stat
 import threading
+from collections.abc import Iterator
 
 from cmroot import checksum as cks
 from cmroot.durable import fsync_dir, sync_filesystem
 from cmroot.exceptions import ConfigError, Conflict, StoreLocked
+from cmroot.store import confined
 from cmroot.store.layout import Layout, StagedInfo, same_bytes, shard_of
 from cmroot.store.source import Session
 
@@ -43,6 +46,9 @@ LAYOUTS = {"objects/ab/<checksum>": 1, "objects/ab/cd/<checksum>": 2}
 NEW_LAYOUT = "objects/ab/<checksum>"
 _PREFIX = re.compile(r"[0-9a-f]{2}")
 _OBJECT = re.compile(r"[0-9a-f]{32}")
+# What a look at the other layout's place may meet where no object is there: nothing, or
+# a symlink on the way (never followed out of the store).
+_NOT_THERE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV})
 
 
 class LocalLayout(Layout):
@@ -119,6 +125,9 @@ class LocalLayout(Layout):
 
     def published(self, staged: str, info: StagedInfo, checksum: str) -> bool:
         assert info.st is not None
+        # Published at the other layout's place by a release that knew no LAYOUT file (its
+        # crash, recovered here): brought to its place, where the recovery acts on it.
+        self._bring_home(checksum)
         obj = self.object_path(checksum)
         private = private_name(staged)  # a copy published for a hard-linked source
         return _same_inode(info.st, obj) or (
@@ -170,6 +179,9 @@ class LocalLayout(Layout):
 
     # -- objects --------------------------------------------------------------------------
     def link(self, staged: str, checksum: str) -> bool:
+        # An object at the other layout's place comes to its own first: it is then
+        # deduplicated against (bytes compared), never published a second time beside.
+        self._bring_home(checksum)
         obj = self.object_path(checksum)
         # A hard link publishes atomically and, unlike rename, never replaces an object
         # that is already there.
@@ -209,31 +221,77 @@ class LocalLayout(Layout):
         return self.object_rel(checksum), f"{shard_of(checksum, other)}/{checksum}"
 
     def find_object(self, checksum: str) -> str | None:
-        for rel in self.object_rels(checksum):
-            path = f"{self.objects}/{rel}"
-            if os.path.exists(path):
-                return path
-        return None
+        home = self.object_path(checksum)
+        if os.path.exists(home):
+            return home
+        with self._other_place(checksum) as found:
+            return None if found is None else f"{self.objects}/{self.object_rels(checksum)[1]}"
 
     def object_exists(self, checksum: str) -> bool:
         return self.find_object(checksum) is not None
 
     def unlink_object(self, checksum: str) -> None:
-        for rel in self.object_rels(checksum):
-            try:
-                os.unlink(f"{self.objects}/{rel}")
-                return
-            except FileNotFoundError:
-                continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.object_path(checksum))
+        self._unlink_other(checksum)
 
     def trash_object(self, checksum: str, day: str) -> None:
         dest = os.path.join(self.trash, day, checksum[:2])
         os.makedirs(dest, exist_ok=True)
-        home, other = (f"{self.objects}/{rel}" for rel in self.object_rels(checksum))
         try:
-            os.rename(home, os.path.join(dest, checksum))
+            os.rename(self.object_path(checksum), os.path.join(dest, checksum))
         except FileNotFoundError:
-            os.rename(other, os.path.join(dest, checksum))
+            with self._other_place(checksum) as found:
+                if found is None:
+                    raise
+                os.rename(found[1], os.path.join(dest, checksum), src_dir_fd=found[0])
+            return
+        self._unlink_other(checksum)  # a second copy of what went to the trash
+
+    # -- the other layout's place ---------------------------------------------------------
+    @contextlib.contextmanager
+    def _other_place(self, checksum: str) -> Iterator[tuple[int, str] | None]:
+        """Object `checksum` at the other layout's place as (directory descriptor, name),
+        reached with no symlink followed; None unless a regular file is there. A lone
+        lstat says "nothing" first, as it does for nearly every object."""
+        rel = self.object_rels(checksum)[1]
+        found: tuple[int, str] | None = None
+        with contextlib.ExitStack() as stack:
+            if os.path.lexists(f"{self.objects}/{rel}"):
+                try:
+                    ofd = stack.enter_context(confined.directory(self.objects))
+                    dfd, name = stack.enter_context(confined.parent_of(ofd, rel))
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode):
+                        found = (dfd, name)
+                except OSError as e:
+                    if e.errno not in _NOT_THERE:
+                        raise
+            yield found
+
+    def _unlink_other(self, checksum: str) -> None:
+        with self._other_place(checksum) as found:
+            if found is not None:
+                os.unlink(found[1], dir_fd=found[0])
+
+    def _bring_home(self, checksum: str) -> None:
+        """Move object `checksum` from the other layout's place to its own, unless its
+        own holds one already (both are then left for fsck to compare)."""
+        with self._other_place(checksum) as found:
+            if found is None:
+                return
+            dfd, name = found
+            home = self.object_path(checksum)
+            try:
+                try:
+                    os.link(name, home, src_dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    self.make_shard(checksum)
+                    os.link(name, home, src_dir_fd=dfd, follow_symlinks=False)
+            except FileExistsError:
+                return
+            fsync_dir(os.path.dirname(home))
+            os.unlink(name, dir_fd=dfd)
 
     def quarantined(self, checksum: str) -> bool:
         try:
