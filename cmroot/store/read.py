@@ -355,9 +355,11 @@ class Reader:
         if isinstance(self.layout, RemoteLayout):
             return self._remote_object(self.layout, key, c, inline_max)
         quarantined = False
+        rels = self.layout.object_rels(c)
         # Its place, then the other layout's (see Layout.object_rels): a corrupt copy at
-        # one is quarantined and the other still looked at.
-        for rel in self.layout.object_rels(c):
+        # one is quarantined and the other still looked at. Its place again last: a
+        # publish may have moved it there between the two looks (a link, then an unlink).
+        for rel in (*rels, rels[0]) if len(rels) > 1 else rels:
             fd = self._open_object(rel)
             if fd is None:
                 continue

@@ -125,14 +125,20 @@ class LocalLayout(Layout):
 
     def published(self, staged: str, info: StagedInfo, checksum: str) -> bool:
         assert info.st is not None
-        # Published at the other layout's place by a release that knew no LAYOUT file (its
-        # crash, recovered here): brought to its place, where the recovery acts on it.
-        self._bring_home(checksum)
-        obj = self.object_path(checksum)
         private = private_name(staged)  # a copy published for a hard-linked source
-        return _same_inode(info.st, obj) or (
-            os.path.lexists(private) and _same_inode(os.lstat(private), obj)
-        )
+        names = [info.st] + ([os.lstat(private)] if os.path.lexists(private) else [])
+        # Published at the other layout's place by a release that knew no LAYOUT file (its
+        # crash, recovered here): brought to its place, where the recovery acts on it. If
+        # its place holds another object, that name of the staged file goes (the file
+        # stays staged): no store name may be left on a file the recovery puts back.
+        self._bring_home(checksum)
+        with self._other_place(checksum) as found:
+            if found is not None:
+                st = os.stat(found[1], dir_fd=found[0], follow_symlinks=False)
+                if any(_same_file(st, n) for n in names):
+                    os.unlink(found[1], dir_fd=found[0])
+        obj = self.object_path(checksum)
+        return any(_same_inode(n, obj) for n in names)
 
     def needs_private(self, staged: str, nlink: int, fresh: bool = False) -> bool:
         """Yes when the file has other names in the warehouse (writes through them would
@@ -225,7 +231,10 @@ class LocalLayout(Layout):
         if os.path.exists(home):
             return home
         with self._other_place(checksum) as found:
-            return None if found is None else f"{self.objects}/{self.object_rels(checksum)[1]}"
+            if found is not None:
+                return f"{self.objects}/{self.object_rels(checksum)[1]}"
+        # Moved home between the two looks (`_bring_home` links, then unlinks)?
+        return home if os.path.exists(home) else None
 
     def object_exists(self, checksum: str) -> bool:
         return self.find_object(checksum) is not None
@@ -276,22 +285,27 @@ class LocalLayout(Layout):
 
     def _bring_home(self, checksum: str) -> None:
         """Move object `checksum` from the other layout's place to its own, unless its
-        own holds one already (both are then left for fsck to compare)."""
+        own holds one already (both are then left for fsck to compare). A name gone
+        meanwhile (moved home by another publish, swept, quarantined by a reader) ends
+        the move: there is nothing left to bring."""
         with self._other_place(checksum) as found:
             if found is None:
                 return
             dfd, name = found
             home = self.object_path(checksum)
-            try:
+            for attempt in range(2):
                 try:
                     os.link(name, home, src_dir_fd=dfd, follow_symlinks=False)
+                    break
+                except FileExistsError:
+                    return
                 except FileNotFoundError:
+                    if attempt or os.path.isdir(os.path.dirname(home)):
+                        return  # the source is gone, not the shard
                     self.make_shard(checksum)
-                    os.link(name, home, src_dir_fd=dfd, follow_symlinks=False)
-            except FileExistsError:
-                return
             fsync_dir(os.path.dirname(home))
-            os.unlink(name, dir_fd=dfd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dfd)
 
     def quarantined(self, checksum: str) -> bool:
         try:
@@ -437,6 +451,10 @@ def release_lock(key: str, fd: int) -> None:
 def private_name(staged: str) -> str:
     """Where `private_copy` keeps its copy of a staged file."""
     return f"{staged}.private"
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _same_inode(st: os.stat_result, path: str) -> bool:
