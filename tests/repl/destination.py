@@ -27,7 +27,7 @@ def _session(base: Path, short_lived: bool) -> Any:
     from cmroot.repl.session import session
     from tests.spark.sparklib import spark_settings
 
-    conf = spark_settings(base, base / "warehouse", short_lived)
+    conf = spark_settings(base, base / "warehouse", short_lived, archived=True)
     spark = session("cmroot-test-destination", conf)
     spark.sparkContext.setLogLevel("ERROR")
     return spark

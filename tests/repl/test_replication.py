@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.repl.conftest import Destination, Source
+from tests.spark import jvm_archive
 from tests.spark.sparklib import REPO
 
 pytestmark = pytest.mark.timeout(900)
@@ -124,8 +125,11 @@ def test_driver_killed_midway_then_rerun(source: Source, fresh_destination: Dest
                "sha2(CAST(id * rand() AS STRING), 512), 5 FROM range(100000)")
     url, header = source.dump("kl", from_id=start)
     table = destination.warehouse / "kl.db" / "t"
-    cmd = ["spark-submit", "--master", "local[2]", str(REPO / "cmd" / "repl_load.py"),
-           "--from-dir", url, *destination.with_args()]
+    # the class-data archive the tests' other drivers map (tests/spark/jvm_archive.py)
+    archive = jvm_archive.options()
+    cmd = ["spark-submit", "--master", "local[2]",
+           *(["--driver-java-options", archive] if archive else []),
+           str(REPO / "cmd" / "repl_load.py"), "--from-dir", url, *destination.with_args()]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=destination.env(), cwd=destination.base, start_new_session=True)
     try:

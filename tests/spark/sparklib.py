@@ -203,13 +203,21 @@ def shim_log(spark: Any) -> Iterator[Any]:
 SHORT_LIVED_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 
-def spark_settings(base: Path, warehouse: Path, short_lived: bool = False) -> dict[str, str]:
+def spark_settings(
+    base: Path, warehouse: Path, short_lived: bool = False, archived: bool | None = None
+) -> dict[str, str]:
     """local[2], an embedded Derby metastore and scratch dirs under `base`: as Spark conf,
     for a builder here or `--with` options of a `cmroot repl` subprocess; `short_lived`
-    adds SHORT_LIVED_JVM to the driver's JVM options."""
+    adds SHORT_LIVED_JVM to the driver's JVM options, `archived` (by default: when
+    short-lived) the class-data archive of tests/spark/jvm_archive.py, for a driver
+    started in a process of its own without the shim on its class path."""
     derby = base / "derby"
     derby.mkdir(parents=True, exist_ok=True)
     java = f"-Dderby.system.home={derby}" + (f" {SHORT_LIVED_JVM}" if short_lived else "")
+    if short_lived if archived is None else archived:
+        from tests.spark import jvm_archive
+
+        java = f"{java} {jvm_archive.options()}".rstrip()
     return {
         "spark.master": "local[2]",
         "spark.sql.warehouse.dir": str(warehouse),
