@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import stat
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -50,13 +49,13 @@ from typing import Any
 from cmroot import checksum as cks
 from cmroot import faults
 from cmroot.index import Index, PendingTx, StoredObject
+from cmroot.store.layout import OBJECT_NAME as _NAME
+from cmroot.store.layout import SHARD_NAME as _PREFIX
 from cmroot.store.layout import Layout, fsync_dir, same_bytes
 from cmroot.store.layout.local import LocalLayout
 from cmroot.store.objects import Objects
 from cmroot.vocab import TxState
 
-_NAME = re.compile(r"[0-9a-f]{32}")
-_PREFIX = re.compile(r"[0-9a-f]{2}")
 LIMIT = 1000  # items kept per report list; counts are always complete
 # Up to this many indexed objects, the shards the index uses are found with one query per
 # top-level prefix (at most this many rows held at once); above it, every possible shard

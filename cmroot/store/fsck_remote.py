@@ -42,7 +42,9 @@ from typing import Any
 from cmroot import checksum as cks
 from cmroot import faults
 from cmroot.index import Index, StoredObject
-from cmroot.store.fsck import _NAME, _PREFIX, FsckReport, _after, _journaled, describe
+from cmroot.store.fsck import FsckReport, _after, _journaled, describe
+from cmroot.store.layout import OBJECT_NAME as _NAME
+from cmroot.store.layout import SHARD_NAME as _PREFIX
 from cmroot.store.layout import Layout, streams_equal
 from cmroot.store.layout.remote import RemoteLayout
 from cmroot.store.objects import Objects

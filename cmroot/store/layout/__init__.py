@@ -17,6 +17,7 @@ are never reached for a remote store."""
 from __future__ import annotations
 
 import os
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING
@@ -28,9 +29,14 @@ if TYPE_CHECKING:
     from cmroot.store.source import Session
 
 __all__ = [
-    "Layout", "StagedInfo", "fsync_dir", "open_layout", "same_bytes", "shard_of",
-    "sync_filesystem",
+    "OBJECT_NAME", "SHARD_NAME", "Layout", "StagedInfo", "fsync_dir", "open_layout",
+    "same_bytes", "shard_of", "sync_filesystem",
 ]
+
+
+# The names below `objects/`: a shard directory, an object.
+SHARD_NAME = re.compile(r"[0-9a-f]{2}")
+OBJECT_NAME = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ import errno
 import fcntl
 import logging
 import os
-import re
 import shutil
 import stat
 import threading
@@ -31,7 +30,7 @@ from cmroot import checksum as cks
 from cmroot.durable import fsync_dir, sync_filesystem
 from cmroot.exceptions import ConfigError, Conflict, StoreLocked
 from cmroot.store import confined
-from cmroot.store.layout import Layout, StagedInfo, same_bytes, shard_of
+from cmroot.store.layout import OBJECT_NAME, SHARD_NAME, Layout, StagedInfo, same_bytes, shard_of
 from cmroot.store.source import Session
 
 log = logging.getLogger(__name__)
@@ -44,8 +43,6 @@ LAYOUT_FILE = "LAYOUT"
 # What a LAYOUT file may say, and the shard levels it stands for.
 LAYOUTS = {"objects/ab/<checksum>": 1, "objects/ab/cd/<checksum>": 2}
 NEW_LAYOUT = "objects/ab/<checksum>"
-_PREFIX = re.compile(r"[0-9a-f]{2}")
-_OBJECT = re.compile(r"[0-9a-f]{32}")
 # What a look at the other layout's place may meet where no object is there: nothing, or
 # a symlink on the way (never followed out of the store).
 _NOT_THERE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV})
@@ -410,17 +407,17 @@ def _levels_held(root: str, objects: str) -> int:
     try:
         with os.scandir(objects) as tops:
             for top in tops:
-                if not (_PREFIX.fullmatch(top.name) and top.is_dir(follow_symlinks=False)):
+                if not (SHARD_NAME.fullmatch(top.name) and top.is_dir(follow_symlinks=False)):
                     continue
                 with os.scandir(top.path) as entries:
                     for e in entries:
-                        if _OBJECT.fullmatch(e.name) and e.is_file(follow_symlinks=False):
+                        if OBJECT_NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False):
                             log.warning(
                                 "the store has no LAYOUT file; its objects are one-level",
                                 extra={"store": root, "fix": f"write the line {NEW_LAYOUT}"
                                        f" to {os.path.join(root, LAYOUT_FILE)}"})
                             return 1
-                        if _PREFIX.fullmatch(e.name) and e.is_dir(follow_symlinks=False):
+                        if SHARD_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False):
                             return 2
     except OSError as e:
         raise ConfigError(f"cannot read the store's {objects}: {e}",
