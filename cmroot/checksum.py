@@ -133,10 +133,14 @@ def read_fd(fd: int, size: int, nowait: bool = False, limit: int | None = None) 
     offset = 0
     read = _pread_nowait if nowait else os.pread
     end = sys.maxsize if limit is None else limit
-    while offset < end and (chunk := read(fd, min(max(size + 1 - offset, 1 << 16),
-                                                  end - offset), offset)):
+    while offset < end and (chunk := read(fd, want := min(max(size + 1 - offset, 1 << 16),
+                                                          end - offset), offset)):
         parts.append(chunk)
         offset += len(chunk)
+        if nowait and len(chunk) < want:
+            # From the page cache a short read is the end, or bytes not cached: either
+            # way the caller's length or hash check tells, without one more read.
+            break
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 

@@ -208,6 +208,12 @@ class Reader:
         )
         # Called once per mismatch found (the daemon counts them).
         self.on_mismatch: Callable[[], None] | None = None
+        self._objects_fd: int | None = None  # the objects dir, for open_cached
+
+    def close(self) -> None:
+        if self._objects_fd is not None:
+            os.close(self._objects_fd)
+            self._objects_fd = None
 
     def open_verified(self, path: object, checksum: object, inline_max: int = 0) -> Verified:
         """The bytes of (path, checksum): the original if it still hashes to the checksum,
@@ -277,11 +283,13 @@ class Reader:
         return self._cached_verified(Status.ORIGINAL, fd, c, inline_max, "original")
 
     def _cached_object(self, objects: str, c: str, inline_max: int) -> Verified:
-        ofd = confined.open_cached(confined.AT_FDCWD, objects, DIR_FLAGS, beneath=False)
-        try:
-            fd = _open_regular_cached(ofd, self.layout.object_rel(c))
-        finally:
-            os.close(ofd)
+        if self._objects_fd is None:
+            # Opened once and kept: the store's own directory, which nothing replaces while
+            # the store is open (were it replaced, the old one's bytes would still be
+            # verified, and an object missing there goes to the thread).
+            self._objects_fd = confined.open_cached(
+                confined.AT_FDCWD, objects, DIR_FLAGS, beneath=False)
+        fd = _open_object_cached(self._objects_fd, self.layout.object_rel(c))
         found = None if fd is None else self._cached_verified(
             Status.CMROOT, fd, c, inline_max, "object")
         if found is None:
@@ -539,6 +547,27 @@ def locate(warehouse: Warehouse, raw: object, attempts: int = 3) -> Located:
     log.info("path kept changing while looked up: its original is not considered",
              extra={"path": str(raw)[:300]})
     return warehouse.locate(raw, resolve=False)
+
+
+def _open_object_cached(objects_fd: int, rel: str) -> int | None:
+    """A read descriptor of the object at `rel` below the objects dir, looked up from
+    memory; None when nothing is there or it is no regular file. Opened at once, as the
+    threads open objects (`READ_FLAGS`: no symlink, and a FIFO opens without waiting):
+    the store is on a local filesystem (open_cached asks), and only its owner writes
+    there, so no open of an object runs anyone's code."""
+    try:
+        fd = confined.open_cached(objects_fd, rel, READ_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not regular:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _open_regular_cached(dir_fd: int, rel: str) -> int | None:
