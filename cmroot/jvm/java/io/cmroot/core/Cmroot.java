@@ -729,7 +729,7 @@ public final class Cmroot {
         return end;
       }
       if (segs[i].equals("_temporary")) {
-        if (i + 1 < segs.length && ATTEMPT.matcher(segs[i + 1]).matches()) {
+        if (i + 1 < segs.length && ownAttempt(segs[i + 1])) {
           return end + 1 + segs[i + 1].length();
         }
         if (i + 1 == segs.length && isCommitterTemporary(path)) {
@@ -738,6 +738,41 @@ public final class Cmroot {
       }
     }
     return -1;
+  }
+
+  /**
+   * Is `name` the directory a job's committer writes in below `_temporary`? Hadoop's
+   * FileOutputCommitter writes in _temporary/<application attempt> (MapReduce's
+   * mapreduce.job.application.attempt.id: 0 unless its application master was retried, and
+   * Spark never sets it), and an attempt takes over the output of the earlier ones only. A
+   * higher number is no attempt of this job: a table located at <t>/_temporary/7 is data.
+   */
+  public static boolean ownAttempt(String name) {
+    if (!ATTEMPT.matcher(name).matches()) {
+      return false;
+    }
+    int own = hadoop().getInt("mapreduce.job.application.attempt.id", 0);
+    return name.length() <= 9 && Integer.parseInt(name) <= own;
+  }
+
+  /**
+   * The directories in the committer `_temporary` directory `dir` (see
+   * {@link #isCommitterTemporary}) named like attempts but none of this job's
+   * ({@link #ownAttempt}): what a job's clean-up of `dir` must leave where it is. None when
+   * `dir` is not called `_temporary`.
+   */
+  public static List<String> foreignAttempts(String dir) throws IOException {
+    List<String> out = new ArrayList<>();
+    if (!name(dir).equals("_temporary")) {
+      return out;
+    }
+    for (String c : children(dir)) {
+      String n = name(c);
+      if (ATTEMPT.matcher(n).matches() && !ownAttempt(n)) {
+        out.add(c);
+      }
+    }
+    return out;
   }
 
   public static boolean isStagingName(String seg) {

@@ -282,9 +282,9 @@ public class CmrootLocalFileSystem extends LocalFileSystem {
     Cmroot.refuseRootRemoval(local, s, "the delete of");
     Ctx sctx = statementCtx();
     if (!Ctx.protectedPath(local, s, sctx)) {
-      // A job's clean-up of <t>/_temporary where the catalog placed a partition below it
-      // (<t>/_temporary/7): the job's leftovers go, the partition stays.
-      List<String> keep = sctx == null || !recursive ? List.of() : sctx.dirsBelow(local);
+      // A job's clean-up of <t>/_temporary where the catalog placed a partition, or another
+      // table, below it (<t>/_temporary/7): the job's leftovers go, the data stays.
+      List<String> keep = Ctx.keptBelow(local, recursive, sctx);
       return keep.isEmpty() ? super.delete(f, recursive) : deleteAround(f, new File(local), keep);
     }
     refuseLate("delete", local);

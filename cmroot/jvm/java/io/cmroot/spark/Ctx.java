@@ -1,6 +1,7 @@
 package io.cmroot.spark;
 
 import io.cmroot.core.Cmroot;
+import java.io.IOException;
 import java.util.ArrayList;
 import java.util.List;
 import java.util.Map;
@@ -126,6 +127,22 @@ public final class Ctx {
       }
     }
     return out;
+  }
+
+  /**
+   * What a recursive delete of the temporary `path` must leave in place (a job's clean-up of
+   * <t>/_temporary): the directories of the statement's table below it (`ctx`, if any), and
+   * attempt directories no attempt of this job made (Cmroot.foreignAttempts).
+   */
+  static List<String> keptBelow(String path, boolean recursive, Ctx ctx) throws IOException {
+    if (!recursive) {
+      return List.of();
+    }
+    List<String> keep = new ArrayList<>(Cmroot.foreignAttempts(path));
+    if (ctx != null) {
+      keep.addAll(ctx.dirsBelow(path));
+    }
+    return keep;
   }
 
   /** The distinct partitions ({k: v}) `files` belong to, in the order first met. */

@@ -52,9 +52,9 @@ public final class SchemeHook {
     CmrootStatement st = CmrootStatement.current();
     Ctx sctx = st == null ? null : st.ctx;
     if (!Ctx.protectedPath(key, s, sctx)) {
-      // A job's clean-up of <t>/_temporary where the catalog placed a partition below it
-      // (<t>/_temporary/7): the job's leftovers go, the partition stays.
-      List<String> keep = sctx == null || !recursive ? List.of() : sctx.dirsBelow(key);
+      // A job's clean-up of <t>/_temporary where the catalog placed a partition, or another
+      // table, below it (<t>/_temporary/7): the job's leftovers go, the data stays.
+      List<String> keep = Ctx.keptBelow(key, recursive, sctx);
       if (keep.isEmpty()) {
         return raw(fs).rawDelete(f, recursive);
       }
