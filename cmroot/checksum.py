@@ -137,9 +137,10 @@ def read_fd(fd: int, size: int, nowait: bool = False, limit: int | None = None) 
                                                           end - offset), offset)):
         parts.append(chunk)
         offset += len(chunk)
-        if nowait and len(chunk) < want:
-            # From the page cache a short read is the end, or bytes not cached: either
-            # way the caller's length or hash check tells, without one more read.
+        if nowait and len(chunk) < want and offset >= size:
+            # Short from the page cache once fstat's size is read: the end (or bytes the
+            # file grew by since, not cached), without one more read. Short before it,
+            # the next read says whether the rest is cached.
             break
     return parts[0] if len(parts) == 1 else b"".join(parts)
 

@@ -100,7 +100,6 @@ class Store:
             raise
 
     def close(self) -> None:
-        self.reader.close()
         self.recycler.close()
         self.index.close()
         if self._lock_fd is not None:

@@ -208,12 +208,6 @@ class Reader:
         )
         # Called once per mismatch found (the daemon counts them).
         self.on_mismatch: Callable[[], None] | None = None
-        self._objects_fd: int | None = None  # the objects dir, for open_cached
-
-    def close(self) -> None:
-        if self._objects_fd is not None:
-            os.close(self._objects_fd)
-            self._objects_fd = None
 
     def open_verified(self, path: object, checksum: object, inline_max: int = 0) -> Verified:
         """The bytes of (path, checksum): the original if it still hashes to the checksum,
@@ -283,13 +277,13 @@ class Reader:
         return self._cached_verified(Status.ORIGINAL, fd, c, inline_max, "original")
 
     def _cached_object(self, objects: str, c: str, inline_max: int) -> Verified:
-        if self._objects_fd is None:
-            # Opened once and kept: the store's own directory, which nothing replaces while
-            # the store is open (were it replaced, the old one's bytes would still be
-            # verified, and an object missing there goes to the thread).
-            self._objects_fd = confined.open_cached(
-                confined.AT_FDCWD, objects, DIR_FLAGS, beneath=False)
-        fd = _open_object_cached(self._objects_fd, self.layout.object_rel(c))
+        # Opened by its path each time: a descriptor kept would go on serving from a
+        # directory moved out of the store.
+        ofd = confined.open_cached(confined.AT_FDCWD, objects, DIR_FLAGS, beneath=False)
+        try:
+            fd = _open_object_cached(ofd, self.layout.object_rel(c))
+        finally:
+            os.close(ofd)
         found = None if fd is None else self._cached_verified(
             Status.CMROOT, fd, c, inline_max, "object")
         if found is None:

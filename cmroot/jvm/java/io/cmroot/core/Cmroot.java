@@ -729,7 +729,7 @@ public final class Cmroot {
         return end;
       }
       if (segs[i].equals("_temporary")) {
-        if (i + 1 < segs.length && ownAttempt(segs[i + 1])) {
+        if (i + 1 < segs.length && ATTEMPT.matcher(segs[i + 1]).matches()) {
           return end + 1 + segs[i + 1].length();
         }
         if (i + 1 == segs.length && isCommitterTemporary(path)) {
@@ -741,38 +741,36 @@ public final class Cmroot {
   }
 
   /**
-   * Is `name` the directory a job's committer writes in below `_temporary`? Hadoop's
-   * FileOutputCommitter writes in _temporary/<application attempt> (MapReduce's
-   * mapreduce.job.application.attempt.id: 0 unless its application master was retried, and
-   * Spark never sets it), and an attempt takes over the output of the earlier ones only. A
-   * higher number is no attempt of this job: a table located at <t>/_temporary/7 is data.
+   * The numbered directories in the committer `_temporary` directory `dir` (see
+   * {@link #isCommitterTemporary}) that hold what no committer writes there: what a job's
+   * clean-up of `dir` must leave where it is. A committer's attempt directory holds only its
+   * task attempts' `_temporary` and its committed `task_...` directories; a table located at
+   * {@code <t>/_temporary/7} holds data files or k=v directories. (Judged by what they hold,
+   * not by the number: the job's attempt number is in its own configuration, which the file
+   * system's hook does not see.) None when `dir` is not called `_temporary`.
    */
-  public static boolean ownAttempt(String name) {
-    if (!ATTEMPT.matcher(name).matches()) {
-      return false;
-    }
-    int own = hadoop().getInt("mapreduce.job.application.attempt.id", 0);
-    return name.length() <= 9 && Integer.parseInt(name) <= own;
-  }
-
-  /**
-   * The directories in the committer `_temporary` directory `dir` (see
-   * {@link #isCommitterTemporary}) named like attempts but none of this job's
-   * ({@link #ownAttempt}): what a job's clean-up of `dir` must leave where it is. None when
-   * `dir` is not called `_temporary`.
-   */
-  public static List<String> foreignAttempts(String dir) throws IOException {
+  public static List<String> dataAttempts(String dir) throws IOException {
     List<String> out = new ArrayList<>();
     if (!name(dir).equals("_temporary")) {
       return out;
     }
     for (String c : children(dir)) {
-      String n = name(c);
-      if (ATTEMPT.matcher(n).matches() && !ownAttempt(n)) {
+      if (ATTEMPT.matcher(name(c)).matches() && isDirectory(c) && !committerShaped(c)) {
         out.add(c);
       }
     }
     return out;
+  }
+
+  /** Does the attempt directory `dir` hold only what a committer writes in one? */
+  private static boolean committerShaped(String dir) throws IOException {
+    for (String e : children(dir)) {
+      String n = name(e);
+      if (!(n.equals("_temporary") || n.startsWith("task_")) || !isDirectory(e)) {
+        return false;
+      }
+    }
+    return true;
   }
 
   public static boolean isStagingName(String seg) {

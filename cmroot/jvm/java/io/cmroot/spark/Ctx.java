@@ -132,13 +132,13 @@ public final class Ctx {
   /**
    * What a recursive delete of the temporary `path` must leave in place (a job's clean-up of
    * <t>/_temporary): the directories of the statement's table below it (`ctx`, if any), and
-   * attempt directories no attempt of this job made (Cmroot.foreignAttempts).
+   * numbered directories holding what no committer writes (Cmroot.dataAttempts).
    */
   static List<String> keptBelow(String path, boolean recursive, Ctx ctx) throws IOException {
     if (!recursive) {
       return List.of();
     }
-    List<String> keep = new ArrayList<>(Cmroot.foreignAttempts(path));
+    List<String> keep = new ArrayList<>(Cmroot.dataAttempts(path));
     if (ctx != null) {
       keep.addAll(ctx.dirsBelow(path));
     }
