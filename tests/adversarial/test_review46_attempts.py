@@ -11,7 +11,7 @@ for the module (tests/spark/conftest.py's `lake`). test_break_* failed on 4571a0
 sequence, what was seen, what is expected in each docstring): the hook reads no job's
 attempt number (it is in the job's configuration, not the file system's), and a number is
 no proof. Fixed since: any number below `_temporary` is a job's again, and the clean-up
-leaves the numbered directories that hold what no committer writes (Cmroot.dataAttempts).
+leaves what the numbered directories hold that no committer writes (Cmroot.dataInAttempts).
 test_held_* held."""
 
 from __future__ import annotations

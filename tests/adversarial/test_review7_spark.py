@@ -151,8 +151,8 @@ def test_overwrite_of_a_partition_located_inside_its_table_at_a_temporary_shaped
 def test_overwrite_of_a_table_that_holds_another_table_at_temporary_7(
     lake: Lake, db: str  # noqa: F811
 ) -> None:
-    """Held since the job's clean-up leaves numbered directories that hold what no committer
-    writes (Cmroot.dataAttempts); it failed before. Table `inner` is located at
+    """Held since the job's clean-up leaves what numbered directories hold that no committer
+    writes (Cmroot.dataInAttempts); it failed before. Table `inner` is located at
     '<outer dir>/_temporary/7' (6e765c4: "a table
     located at x/_temporary/7 is overwritten ... and recorded like any other"); here x is
     another table, `outer` (USING parquet). `INSERT OVERWRITE TABLE outer SELECT 2`: its
@@ -267,7 +267,7 @@ def test_hive_insert_overwrite_directory_keeps_a_table_located_below_it(
     lake: Lake, db: str, where: str  # noqa: F811
 ) -> None:
     """FAILS for a Hive-staging-shaped name (the `_temporary/7` case holds: an attempt
-    directory holding data is left in place by the job's clean-up, see Cmroot.dataAttempts):
+    directory's data is left in place by the job's clean-up, see Cmroot.dataInAttempts):
     `INSERT OVERWRITE DIRECTORY '<wh>/rev7.db/exp' STORED AS TEXTFILE SELECT 1`
     (InsertIntoHiveDirCommand) deletes every entry of the directory (fs.listStatus, no
     hidden filter) before it moves its output in. A table `t` is located at

@@ -741,36 +741,41 @@ public final class Cmroot {
   }
 
   /**
-   * The numbered directories in the committer `_temporary` directory `dir` (see
-   * {@link #isCommitterTemporary}) that hold what no committer writes there: what a job's
-   * clean-up of `dir` must leave where it is. A committer's attempt directory holds only its
-   * task attempts' `_temporary` and its committed `task_...` directories; a table located at
-   * {@code <t>/_temporary/7} holds data files or k=v directories. (Judged by what they hold,
-   * not by the number: the job's attempt number is in its own configuration, which the file
-   * system's hook does not see.) None when `dir` is not called `_temporary`.
+   * What the numbered directories in the committer `_temporary` directory `dir` (see
+   * {@link #isCommitterTemporary}) hold that no committer writes there: what a job's clean-up
+   * of `dir` must leave where it is. A committer's attempt directory holds only its task
+   * attempts' `_temporary` and its committed `task_<job>_<m|r>_<n>` directories; a table
+   * located at {@code <t>/_temporary/7} holds data files or k=v directories, which stay,
+   * while the committer's own entries beside them go. (Judged by the entries, not by the
+   * number: the job's attempt number is in its own configuration, which the file system's
+   * hook does not see.) None when `dir` is not called `_temporary`.
    */
-  public static List<String> dataAttempts(String dir) throws IOException {
+  public static List<String> dataInAttempts(String dir) throws IOException {
     List<String> out = new ArrayList<>();
     if (!name(dir).equals("_temporary")) {
       return out;
     }
     for (String c : children(dir)) {
-      if (ATTEMPT.matcher(name(c)).matches() && isDirectory(c) && !committerShaped(c)) {
-        out.add(c);
+      if (ATTEMPT.matcher(name(c)).matches() && isDirectory(c)) {
+        for (String e : children(c)) {
+          if (!committerEntry(e)) {
+            out.add(e);
+          }
+        }
       }
     }
     return out;
   }
 
-  /** Does the attempt directory `dir` hold only what a committer writes in one? */
-  private static boolean committerShaped(String dir) throws IOException {
-    for (String e : children(dir)) {
-      String n = name(e);
-      if (!(n.equals("_temporary") || n.startsWith("task_")) || !isDirectory(e)) {
-        return false;
-      }
-    }
-    return true;
+  // Hadoop's TaskID: task_<job tracker id>_<job number>_<type>_<task number>; a partition
+  // directory (task_id=1) has a '='.
+  private static final java.util.regex.Pattern TASK = java.util.regex.Pattern.compile(
+      "task_[^=/]+_\\d+_[mrjct]_\\d+");
+
+  /** Is `entry` of an attempt directory one a committer writes (see dataInAttempts)? */
+  private static boolean committerEntry(String entry) throws IOException {
+    String n = name(entry);
+    return (n.equals("_temporary") || TASK.matcher(n).matches()) && isDirectory(entry);
   }
 
   public static boolean isStagingName(String seg) {

@@ -132,13 +132,13 @@ public final class Ctx {
   /**
    * What a recursive delete of the temporary `path` must leave in place (a job's clean-up of
    * <t>/_temporary): the directories of the statement's table below it (`ctx`, if any), and
-   * numbered directories holding what no committer writes (Cmroot.dataAttempts).
+   * what numbered directories in it hold that no committer writes (Cmroot.dataInAttempts).
    */
   static List<String> keptBelow(String path, boolean recursive, Ctx ctx) throws IOException {
     if (!recursive) {
       return List.of();
     }
-    List<String> keep = new ArrayList<>(Cmroot.dataAttempts(path));
+    List<String> keep = new ArrayList<>(Cmroot.dataInAttempts(path));
     if (ctx != null) {
       keep.addAll(ctx.dirsBelow(path));
     }
