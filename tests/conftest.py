@@ -8,7 +8,9 @@ store; tests that inject faults monkeypatch os-level calls themselves."""
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -128,3 +130,16 @@ def s3_wh(tmp_path: Path, s3_client: Any) -> Iterator[RemoteWarehouse]:
     """A store on a fresh bucket of the loopback S3 server."""
     with s3_warehouse(tmp_path / "store", s3_client) as wh:
         yield wh
+
+
+@pytest.fixture
+def runtime_dir() -> Iterator[Path]:
+    """An empty directory (0700) for a daemon's RUNTIME_DIRECTORY, on a short path: the run
+    dir made in it holds a Unix socket, whose whole path must fit in 107 bytes, and a test's
+    tmp_path under pytest-xdist (.../popen-gw0/<test name>0/) may be too deep for that (the
+    daemon then puts its run dir in /tmp instead)."""
+    d = Path(tempfile.mkdtemp(prefix="cmroot-rt-"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -250,9 +250,10 @@ def test_break_a_forwarded_request_of_a_killed_serving_process_is_counted(
 # O_EXCL, or make the lock file in a private temp dir and link it in).
 # Fixed: rundir.sweep removes `.cmroot-serve-making-*` whose lock is free once older than
 # a minute (a live primary is a few syscalls from taking its lock).
-def test_break_a_half_made_run_dir_is_swept(make_daemon: MakeDaemon, tmp_path: Path) -> None:
-    runtime = tmp_path / "run"
-    runtime.mkdir(mode=0o700)
+def test_break_a_half_made_run_dir_is_swept(
+    make_daemon: MakeDaemon, tmp_path: Path, runtime_dir: Path
+) -> None:
+    runtime = runtime_dir
     left = runtime / ".cmroot-serve-making-k1ll3d9x"
     left.mkdir(mode=0o700)
     (left / "lock").write_bytes(b"")
@@ -374,12 +375,11 @@ def test_a_stopped_primary_or_a_busy_serving_process_is_not_killed(
     assert d.stop() == 0, d.log()
 
 
-def test_the_sweep_removes_only_dead_primaries_run_dirs(tmp_path: Path) -> None:
+def test_the_sweep_removes_only_dead_primaries_run_dirs(tmp_path: Path, runtime_dir: Path) -> None:
     """A shared RUNTIME_DIRECTORY with decoys, then three primaries started at once: the
     sweep removes only a dir of this user, not a symlink, whose `lock` is a regular file
     nobody holds; the three run side by side; each removes its own at stop."""
-    runtime = tmp_path / "run"
-    runtime.mkdir()
+    runtime = runtime_dir
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "lock").write_bytes(b"")
@@ -437,13 +437,12 @@ def test_the_sweep_removes_only_dead_primaries_run_dirs(tmp_path: Path) -> None:
 
 
 def test_a_primary_killed_mid_start_never_loses_a_live_run_dir(
-    make_daemon: MakeDaemon, tmp_path: Path,
+    make_daemon: MakeDaemon, tmp_path: Path, runtime_dir: Path,
 ) -> None:
     """Primaries killed -9 at random points of their start, beside one that runs, in one
     RUNTIME_DIRECTORY: the live one's run dir is never swept and keeps serving; the next
     primary leaves no `cmroot-serve-*` of the dead behind."""
-    runtime = tmp_path / "run"
-    runtime.mkdir()
+    runtime = runtime_dir
     env = {**TWO, "RUNTIME_DIRECTORY": str(runtime)}
     live = make_daemon("live", env=env)
     started(live)

@@ -231,13 +231,12 @@ def test_a_wedged_serving_process_is_killed_and_replaced(make_daemon: MakeDaemon
 
 
 def test_the_run_dir_of_a_killed_primary_is_removed_by_the_next(
-    make_daemon: MakeDaemon, tmp_path: Path,
+    make_daemon: MakeDaemon, tmp_path: Path, runtime_dir: Path,
 ) -> None:
     """kill -9 leaves the primary's run dir (socket, metrics files, config.json) behind:
     the next primary to start removes it, and leaves alone the one of a primary that
     runs."""
-    runtime = tmp_path / "run"
-    runtime.mkdir()
+    runtime = runtime_dir
     env = {**TWO, "RUNTIME_DIRECTORY": str(runtime)}
     a = make_daemon("a", env=env)
     started(a)
