@@ -26,7 +26,15 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-from tests.adversarial.test_review4_spark import attempt, brief, kept, rows, unrecoverable
+from tests.adversarial.test_review4_spark import (
+    attempt,
+    brief,
+    kept,
+    outer_and_inner,
+    rows,
+    unrecoverable,
+)
+from tests.adversarial.test_review7_spark import with_conf
 from tests.spark.conftest import lake  # noqa: F401 - the module's daemon and session
 from tests.spark.sparklib import Lake
 
@@ -50,17 +58,8 @@ def tdir(lake: Lake, table: str) -> Path:  # noqa: F811
 def attempt_id(lake: Lake, n: str) -> Iterator[None]:  # noqa: F811
     """The session's application attempt id (SET, as a job resubmitted by a scheduler that
     numbers attempts would have it; both spellings), for the duration."""
-    old = {k: lake.spark.conf.get(k, None) for k in ATTEMPT_KEYS}
-    for k in ATTEMPT_KEYS:
-        lake.spark.conf.set(k, n)
-    try:
+    with with_conf(lake, ATTEMPT_KEYS[0], n), with_conf(lake, ATTEMPT_KEYS[1], n):
         yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                lake.spark.conf.unset(k)
-            else:
-                lake.spark.conf.set(k, v)
 
 
 def temp_paths(events: list[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -138,11 +137,7 @@ def test_break_a_table_at_temporary_00_is_lost_when_its_outer_table_is_overwritt
     `_temporary/7` and `_temporary/007` hold (see the held tests).
     Expected: inner's file still at its path or resolvable by (path, checksum)
     (invariant 1)."""
-    lake.sql(f"CREATE TABLE {DB}.o00 (a INT) USING parquet")
-    lake.sql(f"INSERT INTO {DB}.o00 VALUES (1)")
-    inner = tdir(lake, "o00") / "_temporary" / "00"
-    lake.sql(f"CREATE TABLE {DB}.n00 (a INT) USING parquet LOCATION '{inner}'")
-    lake.sql(f"INSERT INTO {DB}.n00 VALUES (5)")
+    inner = outer_and_inner(lake, DB, "o00", "n00", "_temporary/00")
     old = kept(inner)
     assert old
     err, events = attempt(lake, f"INSERT OVERWRITE TABLE {DB}.o00 SELECT 2")
@@ -157,14 +152,10 @@ def test_held_a_table_at_an_odd_attempt_name_keeps_its_data_when_outer_is_overwr
     lake: Lake, db: str, where: str  # noqa: F811
 ) -> None:
     """A table located at <outer>/_temporary/007 (7 by value) or /99999999999 (past an
-    int: ownAttempt's length check): INSERT OVERWRITE TABLE outer leaves it in place, and
-    it still reads its row; outer holds only the new row."""
+    int): INSERT OVERWRITE TABLE outer leaves it in place, and it still reads its row;
+    outer holds only the new row."""
     o, n = f"o{where[:4]}", f"n{where[:4]}"
-    lake.sql(f"CREATE TABLE {DB}.{o} (a INT) USING parquet")
-    lake.sql(f"INSERT INTO {DB}.{o} VALUES (1)")
-    inner = tdir(lake, o) / "_temporary" / where
-    lake.sql(f"CREATE TABLE {DB}.{n} (a INT) USING parquet LOCATION '{inner}'")
-    lake.sql(f"INSERT INTO {DB}.{n} VALUES (5)")
+    inner = outer_and_inner(lake, DB, o, n, f"_temporary/{where}")
     old = kept(inner)
     err, events = attempt(lake, f"INSERT OVERWRITE TABLE {DB}.{o} SELECT 2")
     assert err is None, err

@@ -108,6 +108,17 @@ def _head_cached_tail_not(path: Path, head: int) -> bool:
     return all(pages[:k]) and not any(pages[k:])
 
 
+def _grown_original(warehouse: Path) -> tuple[Path, bytes, str]:
+    """A warehouse file that held X (8 KiB, cached; its path, X and X's checksum) and has
+    8 KiB more appended past the page cache; skips where the tail cannot be kept out."""
+    x = os.urandom(2 * PAGE)
+    p = write_file(warehouse / "db.db" / "t" / "f", x)
+    _append_uncached(p, 2 * PAGE)
+    if not _head_cached_tail_not(p, len(x)):
+        pytest.skip("could not leave the tail out of the page cache here")
+    return p, x, cks.of_bytes(x)
+
+
 def _fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
@@ -126,12 +137,7 @@ def test_break_the_cached_head_of_a_grown_original_is_served_as_the_original(
     Expected: what open_verified says (NotFound: f no longer has checksum c and nothing
     was recycled), or WouldBlock. DESIGN: GET serves "the original if it still has
     checksum C ... 404 JSON when neither exists"."""
-    x = os.urandom(2 * PAGE)
-    c = cks.of_bytes(x)
-    p = write_file(env.warehouse / "db.db" / "t" / "f", x)
-    _append_uncached(p, 2 * PAGE)
-    if not _head_cached_tail_not(p, len(x)):
-        pytest.skip("could not leave the tail out of the page cache here")
+    p, _, c = _grown_original(env.warehouse)
     fast = _answer(store, str(p), c, cached=True)
     full = _answer(store, str(p), c, cached=False)
     assert full == "NotFound"
@@ -146,12 +152,7 @@ def test_break_daemon_get_serves_a_grown_file_it_should_404(make_daemon) -> None
     Expected: 404 (f does not have checksum c and no recycle recorded it), as resolve and
     the thread's read say."""
     d: Daemon = make_daemon()
-    x = os.urandom(2 * PAGE)
-    c = cks.of_bytes(x)
-    p = write_file(d.warehouse / "db.db" / "t" / "f", x)
-    _append_uncached(p, 2 * PAGE)
-    if not _head_cached_tail_not(p, len(x)):
-        pytest.skip("could not leave the tail out of the page cache here")
+    p, x, c = _grown_original(d.warehouse)
     r = d.request("GET", d.files_url(str(p), c))
     res = d.request("POST", "/v1/resolve", {"files": [{"path": str(p), "checksum": c}]})
     assert res.status == 200

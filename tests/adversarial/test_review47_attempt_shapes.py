@@ -28,7 +28,15 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-from tests.adversarial.test_review4_spark import attempt, brief, kept, rows, unrecoverable
+from tests.adversarial.test_review4_spark import (
+    attempt,
+    brief,
+    kept,
+    outer_and_inner,
+    rows,
+    unrecoverable,
+)
+from tests.adversarial.test_review7_spark import with_conf
 from tests.adversarial.test_review46_attempts import FAILING, listing, temp_paths
 from tests.spark.conftest import lake  # noqa: F401 - the module's daemon and session
 from tests.spark.sparklib import Lake
@@ -47,29 +55,26 @@ def tdir(lake: Lake, table: str) -> Path:  # noqa: F811
 @contextlib.contextmanager
 def no_success_marker(lake: Lake) -> Iterator[None]:  # noqa: F811
     """No `_SUCCESS` file at job commit (a common setting: some readers choke on it)."""
-    old = {k: lake.spark.conf.get(k, None) for k in NO_SUCCESS}
-    for k in NO_SUCCESS:
-        lake.spark.conf.set(k, "false")
-    try:
+    with with_conf(lake, NO_SUCCESS[0], "false"), with_conf(lake, NO_SUCCESS[1], "false"):
         yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                lake.spark.conf.unset(k)
-            else:
-                lake.spark.conf.set(k, v)
 
 
-def outer_and_inner(lake: Lake, o: str, n: str, where: str, inner_cols: str = "(a INT)",  # noqa: F811
-                    inner_rest: str = "USING parquet", inner_row: str = "(5)") -> Path:
-    """Table `o` (a INT) holding (1), and table `n` located at <o dir>/<where> holding
-    `inner_row`; the inner table's directory."""
-    lake.sql(f"CREATE TABLE {DB}.{o} (a INT) USING parquet")
-    lake.sql(f"INSERT INTO {DB}.{o} VALUES (1)")
-    inner = tdir(lake, o) / where
-    lake.sql(f"CREATE TABLE {DB}.{n} {inner_cols} {inner_rest} LOCATION '{inner}'")
-    lake.sql(f"INSERT INTO {DB}.{n} VALUES {inner_row}")
-    return inner
+def overwrite_keeps_partitioned_inner(lake: Lake, o: str, n: str, col: str) -> None:  # noqa: F811
+    """Outer table `o` holding table `n`, partitioned by `col`, at <o>/_temporary/7, no
+    `_SUCCESS`; INSERT OVERWRITE TABLE o SELECT 2: o holds (2,), inner's `<col>=1/` stays
+    with its file (or that resolves from the cmroot), inner reads (5, 1), no event names a
+    `_temporary` path."""
+    with no_success_marker(lake):
+        inner = outer_and_inner(lake, DB, o, n, "_temporary/7", f"(a INT, {col} INT)",
+                                f"USING parquet PARTITIONED BY ({col})", "(5, 1)")
+        old = kept(inner)
+        assert old and sorted(os.listdir(inner)) == [f"{col}=1"], listing(inner)
+        err, events = attempt(lake, f"INSERT OVERWRITE TABLE {DB}.{o} SELECT 2")
+    assert err is None, err
+    assert rows(lake, f"SELECT a FROM {DB}.{o}") == [(2,)]
+    assert unrecoverable(lake, old) == [], (brief(events), listing(tdir(lake, o)))
+    assert rows(lake, f"SELECT a, {col} FROM {DB}.{n}") == [(5, 1)]
+    assert temp_paths(events) == [], brief(events)
 
 
 # == breaks ================================================================================
@@ -91,17 +96,7 @@ def test_break_a_table_at_temporary_7_partitioned_by_task_id_is_lost(
     when t is overwritten"; invariant 1): inner's file stays at its path (or resolves from
     the cmroot) and inner still reads (5, 1). The same table partitioned by `p` holds
     (test_held_a_table_at_temporary_7_partitioned_by_p_keeps_its_data)."""
-    with no_success_marker(lake):
-        inner = outer_and_inner(lake, "otid", "ntid", "_temporary/7",
-                                "(a INT, task_id INT)",
-                                "USING parquet PARTITIONED BY (task_id)", "(5, 1)")
-        old = kept(inner)
-        assert old and sorted(os.listdir(inner)) == ["task_id=1"], listing(inner)
-        err, events = attempt(lake, f"INSERT OVERWRITE TABLE {DB}.otid SELECT 2")
-    assert err is None, err
-    assert rows(lake, f"SELECT a FROM {DB}.otid") == [(2,)]
-    assert unrecoverable(lake, old) == [], (brief(events), listing(tdir(lake, "otid")))
-    assert rows(lake, f"SELECT a, task_id FROM {DB}.ntid") == [(5, 1)]
+    overwrite_keeps_partitioned_inner(lake, "otid", "ntid", "task_id")
 
 
 def test_break_a_failed_insert_leaves_its_task_output_in_a_table_at_temporary_0(
@@ -121,7 +116,7 @@ def test_break_a_failed_insert_leaves_its_task_output_in_a_table_at_temporary_0(
     replaying it is told inner held it).
     Expected: a failed statement leaves no trace (invariant 2), so the overwrite's event
     names only inner's own part file (and its .crc), no `task_` path."""
-    inner = outer_and_inner(lake, "ofl0", "nfl0", "_temporary/0")
+    inner = outer_and_inner(lake, DB, "ofl0", "nfl0", "_temporary/0")
     assert rows(lake, f"SELECT a FROM {DB}.nfl0") == [(5,)]
     err, _ = attempt(lake, f"INSERT INTO {DB}.ofl0 {FAILING}")
     assert err is not None and "boom" in err
@@ -161,7 +156,7 @@ def test_break_an_insert_into_a_table_holding_one_at_temporary_0_leaves_its_outp
     Expected: a failed statement leaves no trace (invariant 2): inner's directory holds
     exactly its own data files afterwards."""
     with no_success_marker(lake):
-        inner = outer_and_inner(lake, "omv0", "nmv0", "_temporary/0")
+        inner = outer_and_inner(lake, DB, "omv0", "nmv0", "_temporary/0")
         old = kept(inner)
         assert old
         err, events = attempt(lake, f"INSERT INTO {DB}.omv0 VALUES (2)")
@@ -181,17 +176,7 @@ def test_held_a_table_at_temporary_7_partitioned_by_p_keeps_its_data(
     """The control of the task_id break: inner partitioned by `p` at <outer>/_temporary/7,
     no `_SUCCESS`: INSERT OVERWRITE TABLE outer leaves `p=1/` (a k=v directory) in place;
     inner reads (5, 1), outer (2,), no event names a `_temporary` path."""
-    with no_success_marker(lake):
-        inner = outer_and_inner(lake, "opp", "npp", "_temporary/7", "(a INT, p INT)",
-                                "USING parquet PARTITIONED BY (p)", "(5, 1)")
-        old = kept(inner)
-        assert old and sorted(os.listdir(inner)) == ["p=1"], listing(inner)
-        err, events = attempt(lake, f"INSERT OVERWRITE TABLE {DB}.opp SELECT 2")
-    assert err is None, err
-    assert rows(lake, f"SELECT a FROM {DB}.opp") == [(2,)]
-    assert unrecoverable(lake, old) == [], brief(events)
-    assert rows(lake, f"SELECT a, p FROM {DB}.npp") == [(5, 1)]
-    assert temp_paths(events) == [], brief(events)
+    overwrite_keeps_partitioned_inner(lake, "opp", "npp", "p")
 
 
 def test_held_a_failed_insert_into_a_table_holding_one_at_temporary_7(
@@ -201,7 +186,7 @@ def test_held_a_failed_insert_into_a_table_holding_one_at_temporary_7(
     the other fails>: the failed job's `_temporary/0` goes (committer-shaped), inner reads
     (5,), outer (1,); the next INSERT INTO outer VALUES (100) publishes only its row and
     names no `_temporary` path."""
-    inner = outer_and_inner(lake, "of7", "nf7", "_temporary/7")
+    inner = outer_and_inner(lake, DB, "of7", "nf7", "_temporary/7")
     err, _ = attempt(lake, f"INSERT INTO {DB}.of7 {FAILING}")
     assert err is not None and "boom" in err
     assert sorted(os.listdir(tdir(lake, "of7") / "_temporary")) == ["7"], listing(inner)

@@ -89,6 +89,19 @@ def unrecoverable(lake: Lake, files: dict[str, bytes]) -> list[tuple[str, str]]:
     return [(r["path"], r["status"]) for r in res if r["status"] not in ("original", "cmroot")]
 
 
+def outer_and_inner(lake: Lake, db: str, o: str, n: str, where: str,  # noqa: F811
+                    inner_cols: str = "(a INT)", inner_rest: str = "USING parquet",
+                    inner_row: str = "(5)") -> Path:
+    """Table `db.o` (a INT) holding (1), and table `db.n` located at <o's dir>/<where>
+    holding `inner_row`; the inner table's directory."""
+    lake.sql(f"CREATE TABLE {db}.{o} (a INT) USING parquet")
+    lake.sql(f"INSERT INTO {db}.{o} VALUES (1)")
+    inner = lake.warehouse / f"{db}.db" / o / where
+    lake.sql(f"CREATE TABLE {db}.{n} {inner_cols} {inner_rest} LOCATION '{inner}'")
+    lake.sql(f"INSERT INTO {db}.{n} VALUES {inner_row}")
+    return inner
+
+
 def staging(lake: Lake) -> list[str]:  # noqa: F811
     d = lake.daemon.store / "staging"
     return sorted(os.listdir(d)) if d.exists() else []

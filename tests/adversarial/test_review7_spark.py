@@ -25,6 +25,7 @@ from tests.adversarial.test_review4_spark import (
     attempt,
     brief,
     kept,
+    outer_and_inner,
     replica_diff,
     rows,
     staging,
@@ -184,11 +185,7 @@ def test_drop_of_a_table_that_holds_another_table_at_temporary_7(
     `inner` at <outer>/_temporary/7. Spark deletes outer's directory whole; inner's data
     file goes with the drop's recycle, recorded with it, and resolves from the cmroot
     (invariant 1), whatever the clean-up rules for attempt directories say."""
-    lake.sql(f"CREATE TABLE {DB}.ndro (a INT) USING parquet")
-    lake.sql(f"INSERT INTO {DB}.ndro VALUES (1)")
-    inner = tdir(lake, "ndro") / "_temporary" / "7"
-    lake.sql(f"CREATE TABLE {DB}.ndri (a INT) USING parquet LOCATION '{inner}'")
-    lake.sql(f"INSERT INTO {DB}.ndri VALUES (5)")
+    inner = outer_and_inner(lake, DB, "ndro", "ndri", "_temporary/7")
     old = kept(tdir(lake, "ndro"))
     assert any(p.startswith(str(inner)) for p in old), old
     err, events = attempt(lake, f"DROP TABLE {DB}.ndro")
