@@ -103,6 +103,11 @@ class Resolved(_Answer):
         return asdict(self)
 
 
+# A resolve answer decoded straight into `Resolved` values.
+_RESOLVED = msgspec.json.Decoder(dict[str, list[Resolved]])
+_PAIRS = list[dict[str, str]]
+
+
 @dataclass(frozen=True)
 class Resolutions(_Answer):
     """The answer of POST /v1/resolve: one `Resolved` per pair asked, in order."""
@@ -236,15 +241,23 @@ class Client:
 
     def _resolve(self, files: list[dict[str, str]]) -> list[Resolved]:
         try:
+            # msgspec writes pairs of strings many times faster than the stdlib. Anything
+            # else (bytes it would send as base64, a lone surrogate) goes the stdlib's
+            # way, which refuses what is not JSON before sending.
+            body: Any = msgspec.json.encode({"files": msgspec.convert(files, _PAIRS)})
+        except (msgspec.ValidationError, UnicodeEncodeError):
+            body = {"files": files}
+        try:
             # A POST that changes nothing: safe to retry on a stale keep-alive connection.
-            res = self._json("POST", "/v1/resolve", {"files": files}, retry=True)
+            res = self._json("POST", "/v1/resolve", body, retry=True, answer=_RESOLVED)
         except PayloadTooLarge:
             if len(files) < 2:
                 raise
             half = len(files) // 2
             return self._resolve(files[:half]) + self._resolve(files[half:])
         return [
-            Resolved(f["path"], f["checksum"], f["status"], f.get("location"), f.get("size"))
+            f if isinstance(f, Resolved)
+            else Resolved(f["path"], f["checksum"], f["status"], f.get("location"), f.get("size"))
             for f in res["files"]
         ]
 
@@ -398,11 +411,21 @@ class Client:
         body: Any = None,
         retry: bool = False,
         busy_wait: float | None = None,
+        answer: msgspec.json.Decoder[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
+        """`body` is JSON-encoded here unless given as bytes (already JSON). `answer`
+        decodes into typed values where it can; failing that, into plain JSON values."""
         resp = self._request(method, path, body, retry=retry, busy_wait=busy_wait)
         if resp.status >= 400:
             self._raise(resp)
         data = resp.read()
+        if answer is not None:
+            try:
+                # Straight into the answer's types: a 10,000-pair resolve answer decodes
+                # twice as fast as into dicts first. Anything unexpected is read below.
+                return answer.decode(data)
+            except (msgspec.DecodeError, ValueError, RecursionError):
+                pass
         try:
             # msgspec: a 10,000-pair resolve answer decodes several times faster
             out = _DECODER.decode(data)
@@ -439,7 +462,10 @@ class Client:
     ) -> http.client.HTTPResponse:
         # The stdlib writes requests: msgspec would send NaN/Infinity as null (a lease of
         # inf taken for "none given") and bytes as base64, where the stdlib refuses both.
-        payload = json.dumps(body, separators=(",", ":")).encode() if body is not None else None
+        payload = (
+            body if isinstance(body, bytes) or body is None
+            else json.dumps(body, separators=(",", ":")).encode()
+        )
         hdrs = {"Accept": "application/json", **(headers or {})}
         if method == "POST":  # even without a body: the daemon refuses other types (415)
             hdrs["Content-Type"] = "application/json"

@@ -702,7 +702,7 @@ async def resolve(request: web.Request) -> web.Response:
         counts[r.status] = counts.get(r.status, 0) + 1
     for status, n in counts.items():
         svc.metrics.resolve.labels(status).inc(n)
-    return _json({"files": [r.to_json() for r in out]})
+    return _json({"files": out})  # Resolution structs, encoded as they are
 
 
 async def files(request: web.Request) -> web.StreamResponse:

@@ -10,8 +10,9 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
+
+import msgspec
 
 from cmroot import audit as audit_mod
 from cmroot import checksum as cks
@@ -370,7 +371,7 @@ class Store:
         found = self.resolver.resolve([(loc, out[i].checksum) for i, loc in moved])
         for (i, _), r in zip(moved, found, strict=True):
             if out[i].status == "missing" and r.status != "missing":
-                out[i] = replace(r, path=out[i].path)
+                out[i] = msgspec.structs.replace(r, path=out[i].path)
         return out
 
     def open_cached(self, path: object, checksum: object, inline_max: int) -> Verified:

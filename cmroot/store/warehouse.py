@@ -16,6 +16,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from cmroot.config import local_path, place_key
 from cmroot.exceptions import BadRequest, ConfigError, Conflict, OutsideRoots
 from cmroot.store.source import Source, SourceFile, SymlinkRefused, for_root
@@ -42,20 +44,23 @@ class Root:
     source: Source = field(compare=False, repr=False)
 
 
-@dataclass(frozen=True)
-class Located:
-    """A confined path: its canonical key, the root it lies under, and its path on `root.fs`."""
+class Located(msgspec.Struct, frozen=True, gc=False):
+    """A confined path: its canonical key, the root it lies under, and its path on `root.fs`.
+    A Struct: a batch locates thousands, and a frozen dataclass cost 2 µs each to make."""
 
     key: str
     root: Root
     path: str
     # lstat of a local regular file, taken while confining it, so resolve need not stat
     # it again; None when missing, a symlink or not local.
-    st: os.stat_result | None = field(default=None, compare=False)
+    st: os.stat_result | None = None
     # True when `st` is the whole answer: None then means no regular file is there.
-    statted: bool = field(default=False, compare=False)
+    statted: bool = False
     # Resolved afresh for this request (`locate_all`), not from the one-second cache.
-    fresh: bool = field(default=False, compare=False)
+    fresh: bool = False
+    # `st` was taken through no symlink below the root: it is what an open of the path
+    # below the root's descriptor, no symlink followed, finds there (as of that lstat).
+    direct: bool = False
 
     @property
     def local(self) -> bool:
@@ -99,6 +104,8 @@ class Warehouse:
         self._local: list[tuple[Root, str, str]] = [
             (r, r.url.rstrip("/") + "/", r.real.rstrip("/") + "/") for r in self.roots if r.local
         ]
+        self._reals = frozenset(r.real for r, _, _ in self._local)
+        self._real_prefixes = tuple(prefix for _, _, prefix in self._local)
         self._real_dirs: dict[str, tuple[float, str]] = {}
         if store is not None:
             self._fence(store)
@@ -196,7 +203,8 @@ class Warehouse:
                     "path escapes the warehouse roots",
                     f"{raw!r} resolves through a symlink to {real!r}",
                 )
-            return Located(key, root, key, st, statted, dirs is not None)
+            direct = st is not None and real == self._real_of(root, key)
+            return Located(key, root, key, st, statted, dirs is not None, direct)
         key = _url_key(raw)
         for root in self.roots:
             if not root.local and _under(key, root.url):
@@ -218,7 +226,13 @@ class Warehouse:
             ) from None
 
     def _inside(self, real: str) -> bool:
-        return any(real == r.real or real.startswith(prefix) for r, _, prefix in self._local)
+        return real in self._reals or real.startswith(self._real_prefixes)
+
+    def _real_of(self, root: Root, key: str) -> str:
+        """Where `key` is when nothing below its root is a symlink."""
+        if key == root.url:
+            return root.real
+        return root.real.rstrip("/") + key[len(root.url.rstrip("/")) :]
 
     def place(self, key: str) -> Located:
         """A key this store recorded (confined and canonical when it was located), placed
