@@ -170,7 +170,8 @@ def _stat_all(locs: Sequence[Located]) -> dict[str, _Original]:
     """`_stat` of each path (by key), local ones a directory at a time: each root and
     directory opened once, below the root with no symlink followed, and each file then by
     its name in it, no symlink followed (a batch of a table's files shares few
-    directories: the ctypes openat2 of every whole path was a third of a resolve)."""
+    directories: the ctypes openat2 of every whole path was a third of a resolve, and an
+    open, fstat and close of each file a fifth)."""
     out: dict[str, _Original] = {}
     by_dir: dict[tuple[int, str], list[tuple[Located, str]]] = {}
     for loc in locs:
@@ -182,15 +183,6 @@ def _stat_all(locs: Sequence[Located]) -> dict[str, _Original]:
             continue
         if loc.statted and loc.st is None:
             continue  # confining it just found no regular file there
-        if loc.direct:
-            # Its lstat went through no symlink below the root: what the confined open
-            # below would fstat. Whether the bytes are readable is for the hash to find
-            # (a checksum is cached only for an identity hashed here, and a chmod moves
-            # ctime, so the identity).
-            assert loc.st is not None
-            ident = ident_of(loc.st)
-            out[loc.key] = _Original(loc, loc.st.st_size, ident_str(ident), read.settled(ident))
-            continue
         parent, _, name = read.root_rel(loc).rpartition("/")
         if name not in ("", ".", ".."):
             by_dir.setdefault((id(loc.root), parent), []).append((loc, name))
@@ -208,11 +200,10 @@ def _stat_in(parent: str, group: list[tuple[Located, str]]) -> Iterator[_Origina
             dfd = confined.open_dir_beneath(rfd, parent) if parent else rfd
             try:
                 for loc, name in group:
-                    opened = _open_named(dfd, name)
-                    if opened is not None:
-                        ident = ident_of(opened)
-                        yield _Original(loc, opened.st_size, ident_str(ident),
-                                        read.settled(ident))
+                    st = _stat_named(dfd, name)
+                    if st is not None:
+                        ident = ident_of(st)
+                        yield _Original(loc, st.st_size, ident_str(ident), read.settled(ident))
             finally:
                 if dfd != rfd:
                     os.close(dfd)
@@ -224,20 +215,17 @@ def _stat_in(parent: str, group: list[tuple[Located, str]]) -> Iterator[_Origina
         raise
 
 
-def _open_named(dir_fd: int, name: str) -> os.stat_result | None:
-    """fstat of the regular file `name` in `dir_fd`, opened as `_open_regular` opens one
-    (no symlink followed; not openable, as unreadable, is no original)."""
+def _stat_named(dir_fd: int, name: str) -> os.stat_result | None:
+    """lstat of `name` in `dir_fd` if a regular file is there (no symlink followed). One
+    call, no open: whether its bytes are readable is for the hash to find, and a checksum
+    cached for its identity was read from it (a chmod moves ctime, so the identity)."""
     try:
-        fd = os.open(name, read.READ_FLAGS, dir_fd=dir_fd)
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError as e:
         if e.errno in read.NO_FILE:
             return None
         raise
-    opened = _regular(fd)
-    if opened is None:
-        return None
-    os.close(opened[0])
-    return opened[1]
+    return st if stat.S_ISREG(st.st_mode) else None
 
 
 def _hash(o: _Original) -> tuple[str | None, str] | None:

@@ -58,9 +58,6 @@ class Located(msgspec.Struct, frozen=True, gc=False):
     statted: bool = False
     # Resolved afresh for this request (`locate_all`), not from the one-second cache.
     fresh: bool = False
-    # `st` was taken through no symlink below the root: it is what an open of the path
-    # below the root's descriptor, no symlink followed, finds there (as of that lstat).
-    direct: bool = False
 
     @property
     def local(self) -> bool:
@@ -174,7 +171,7 @@ class Warehouse:
                 "bad path", f"{raw[:200]!r}: NUL bytes and paths over 4096 chars are refused"
             )
         try:
-            raw.encode("utf-8")  # a lone surrogate (JSON "\ud800") names no file
+            encoded = raw.encode("utf-8")  # a lone surrogate (JSON "\ud800") names no file
             lp = local_path(raw)  # urlsplit refuses e.g. "file://[x"
         except ValueError as e:
             raise BadRequest("bad path", f"{raw[:200]!r}: {e}") from None
@@ -182,7 +179,8 @@ class Warehouse:
             if not lp.startswith("/"):
                 raise BadRequest("bad path", f"{raw!r} is relative: give an absolute path")
             key = _normalise(lp, raw)
-            if len(key.encode()) > NAME_MAX and any(
+            # (the key is never longer than the raw path: the test of its length first)
+            if len(encoded) > NAME_MAX and any(
                 len(s.encode()) > NAME_MAX for s in key.split("/")
             ):
                 raise BadRequest("bad path", f"{raw[:200]!r} has a name over {NAME_MAX} bytes")
@@ -203,8 +201,7 @@ class Warehouse:
                     "path escapes the warehouse roots",
                     f"{raw!r} resolves through a symlink to {real!r}",
                 )
-            direct = st is not None and real == self._real_of(root, key)
-            return Located(key, root, key, st, statted, dirs is not None, direct)
+            return Located(key, root, key, st, statted, dirs is not None)
         key = _url_key(raw)
         for root in self.roots:
             if not root.local and _under(key, root.url):
@@ -227,12 +224,6 @@ class Warehouse:
 
     def _inside(self, real: str) -> bool:
         return real in self._reals or real.startswith(self._real_prefixes)
-
-    def _real_of(self, root: Root, key: str) -> str:
-        """Where `key` is when nothing below its root is a symlink."""
-        if key == root.url:
-            return root.real
-        return root.real.rstrip("/") + key[len(root.url.rstrip("/")) :]
 
     def place(self, key: str) -> Located:
         """A key this store recorded (confined and canonical when it was located), placed
@@ -366,9 +357,11 @@ def _realpath(path: str) -> str:
 
 
 def _normalise(path: str, raw: str) -> str:
-    if ".." in path.split("/"):
+    if "/.." in path and ".." in path.split("/"):
         raise BadRequest("bad path", f"{raw!r} has a '..' segment: give the plain absolute path")
-    return posixpath.normpath(path).replace("//", "/")
+    if "//" in path or "/." in path or path.endswith("/"):
+        return posixpath.normpath(path).replace("//", "/")
+    return path  # already normal: nothing for normpath to do (most paths of a batch)
 
 
 def _url_key(raw: str) -> str:

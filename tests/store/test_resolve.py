@@ -242,3 +242,49 @@ def test_a_batch_answers_each_pair_as_it_would_be_answered_alone(env, store) -> 
     for link in (base / "out" / "secret", base / "b" / "secret"):
         with pytest.raises(BadRequest):
             store.resolve([*pairs, {"path": str(link), "checksum": cks.of_bytes(b"secret")}])
+
+
+def test_a_cached_original_reached_through_a_symlink_is_no_original(
+    env, store, monkeypatch
+) -> None:
+    """A pair is answered `original` from the lstat taken while confining it only when
+    that lstat went through no symlink below the root. Here the partition directory is
+    moved and a symlink put in its place: the file's identity (device, inode, size,
+    mtime, ctime) is unchanged, so its cached checksum still matches, yet the path now
+    leads through a symlink, which a GET never follows: no original, for the batch, for
+    the pair alone and for the read."""
+    monkeypatch.setattr(read, "RACY_NS", 0)
+    files = make_table(env.warehouse, "db", "t", [{"p": "1"}], files_per_partition=3)
+    pairs = pairs_of(files)
+    assert {r.status for r in store.resolve(pairs)} == {"original"}  # cached now
+    part = Path(next(iter(files))).parent
+    part.rename(part.with_name("p=moved"))
+    os.symlink(part.with_name("p=moved"), part)
+    for pair in pairs:
+        assert store.resolve([pair])[0].status == "missing"
+        with pytest.raises(NotFound):
+            store.open_verified(pair["path"], pair["checksum"])
+    assert {r.status for r in store.resolve(pairs)} == {"missing"}
+    # Put back, the same files are originals again, from the cache.
+    os.unlink(part)
+    part.with_name("p=moved").rename(part)
+    hashed = CountingHash(monkeypatch)
+    assert {r.status for r in store.resolve(pairs)} == {"original"}
+    assert hashed.take() == []
+
+
+def test_a_root_configured_through_a_symlink_still_has_originals(env, monkeypatch) -> None:
+    """The root's own path may be a symlink (configured as /data/wh -> /mnt/disk/wh):
+    what counts is that nothing below it is one."""
+    monkeypatch.setattr(read, "RACY_NS", 0)
+    link = env.base / "wh-link"
+    os.symlink(env.warehouse, link)
+    store = env.open(CMROOT_STORE_WAREHOUSE_ROOTS=str(link))
+    files = make_table(link, "db", "t", [{"p": "1"}], files_per_partition=3)
+    hashed = CountingHash(monkeypatch)
+    for _ in range(2):
+        assert {r.status for r in store.resolve(pairs_of(files))} == {"original"}
+    assert len(hashed.take()) == 3  # hashed once, then answered from the cache
+    for pair in pairs_of(files):
+        with store.open_verified(pair["path"], pair["checksum"]) as v:
+            assert v.status == "original"
