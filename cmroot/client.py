@@ -47,8 +47,6 @@ class _Answer:
     """Typed fields, still readable by their JSON names (`res["files"]`), for callers
     written when the client answered with dicts."""
 
-    __slots__ = ()  # so that a msgspec Struct may take it in
-
     def __getitem__(self, key: str) -> Any:
         return getattr(self, key)
 
@@ -91,10 +89,9 @@ class PreparedTx(_Answer):
     staged: int
 
 
-class Resolved(_Answer, msgspec.Struct, frozen=True, gc=False):
-    """Where the bytes of one (path, checksum) are: status original, cmroot or missing.
-    A Struct: a 10,000-pair answer decodes into these three times faster than into
-    dataclasses."""
+@dataclass(frozen=True)
+class Resolved(_Answer):
+    """Where the bytes of one (path, checksum) are: status original, cmroot or missing."""
 
     path: str
     checksum: str
@@ -103,7 +100,7 @@ class Resolved(_Answer, msgspec.Struct, frozen=True, gc=False):
     size: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return msgspec.structs.asdict(self)
+        return asdict(self)
 
 
 # A resolve answer decoded straight into `Resolved` values.
@@ -243,13 +240,16 @@ class Client:
         return Resolutions(out)
 
     def _resolve(self, files: list[dict[str, str]]) -> list[Resolved]:
-        try:
-            # msgspec writes pairs of strings many times faster than the stdlib. Anything
-            # else (bytes it would send as base64, a lone surrogate) goes the stdlib's
-            # way, which refuses what is not JSON before sending.
-            body: Any = msgspec.json.encode({"files": msgspec.convert(files, _PAIRS)})
-        except (msgspec.ValidationError, UnicodeEncodeError):
-            body = {"files": files}
+        body: Any = {"files": files}
+        if all(type(f) is dict for f in files):
+            try:
+                # msgspec writes plain dicts of strings many times faster than the stdlib.
+                # Anything else (bytes it would send as base64, a str subclass, a lone
+                # surrogate; a dict subclass, whose methods may show other values than
+                # it holds) goes the stdlib's way, which refuses what is not JSON.
+                body = msgspec.json.encode({"files": msgspec.convert(files, _PAIRS)})
+            except (msgspec.ValidationError, TypeError, UnicodeEncodeError):
+                pass
         try:
             # A POST that changes nothing: safe to retry on a stale keep-alive connection.
             res = self._json("POST", "/v1/resolve", body, retry=True, answer=_RESOLVED)
@@ -258,11 +258,17 @@ class Client:
                 raise
             half = len(files) // 2
             return self._resolve(files[:half]) + self._resolve(files[half:])
-        return [
-            f if isinstance(f, Resolved)
-            else Resolved(f["path"], f["checksum"], f["status"], f.get("location"), f.get("size"))
-            for f in res["files"]
-        ]
+        try:
+            return [
+                f if isinstance(f, Resolved) else
+                Resolved(f["path"], f["checksum"], f["status"], f.get("location"), f.get("size"))
+                for f in res["files"]
+            ]
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CmrootError(
+                "bad answer from the cmroot daemon",
+                f"{self.url}/v1/resolve: {type(e).__name__} {e}: not a list of resolved pairs",
+            ) from None
 
     def get(self, path: str, checksum: str, out: IO[bytes]) -> int:
         """Write the bytes of (path, checksum) to `out`, hashing them as they are written;

@@ -330,3 +330,32 @@ def bind_mount(real: Path, target: Path) -> Iterator[None]:
         yield
     finally:
         subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+def as_user(uid: int, gid: int, groups: list[int], fn: Callable[[], bytes]) -> bytes:
+    """fn()'s bytes, run in a forked child as uid/gid with supplementary `groups` (needs
+    root). A fork, not a new interpreter: the test's Python may live where that uid cannot
+    execute it, and what fn needs is imported already. A failure in the child fails the
+    caller, with the child's error."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 0
+        try:
+            os.close(r)
+            os.setgroups(groups)
+            os.setgid(gid)
+            os.setuid(uid)
+            out = fn()
+        except BaseException as e:
+            out, code = f"child failed: {type(e).__name__}: {e}".encode(), 1
+        try:
+            os.write(w, out)
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0, out
+    return out

@@ -10,6 +10,7 @@ these schemas only make sure what reaches it has the right shape and bounded siz
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Iterable
 from typing import Annotated, Any, TypeVar
@@ -305,12 +306,45 @@ def decode(raw: bytes, cls: type[S]) -> S:
     except msgspec.ValidationError as e:
         raise _refusal(str(e), cls) from None
     except msgspec.DecodeError as e:
-        raise BadRequest("malformed JSON", f"{e}: send one JSON object") from None
+        raise _surrogate(raw, cls) or BadRequest(
+            "malformed JSON", f"{e}: send one JSON object") from None
     except UnicodeDecodeError as e:
         raise BadRequest("malformed JSON", f"{e}: send UTF-8 encoded JSON") from None
     except RecursionError:
         raise BadRequest("JSON nested too deeply", "send a flat request body") from None
     return out
+
+
+def _surrogate(raw: bytes, cls: type[Any]) -> BadRequest | None:
+    """The refusal naming the item of `files` that holds a lone surrogate escape
+    ("\\ud800"): JSON that msgspec refuses whole ("Input data was truncated"), as no
+    UTF-8 text holds it, where a bad path is a bad item (DESIGN: the 400 names the pair).
+    None when the body is malformed otherwise. Only ever a refusal: nothing the stdlib
+    reads here is taken."""
+    word = _ITEM_WORDS.get(cls)
+    if word is None or b"\\u" not in raw:
+        return None
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        return None
+    files = body.get("files") if isinstance(body, dict) else None
+    for i, item in enumerate(files if isinstance(files, list) else ()):
+        try:
+            json.dumps(item, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            return BadRequest(
+                f"bad {word} #{i}",
+                f"files[{i}] holds a lone surrogate (\\ud800-\\udfff), which names no file: "
+                "send the path as UTF-8 text",
+            )
+        except (ValueError, RecursionError):
+            return None
+    return None
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
 
 
 def decode_query(query: Iterable[tuple[str, str]], cls: type[S]) -> S:

@@ -69,6 +69,9 @@ NO_FILE = (
             errno.EINVAL,
             errno.ENODEV,
             errno.EOPNOTSUPP,
+            # Under another program's write lease (Samba, NFS): a non-blocking open says
+            # EWOULDBLOCK rather than wait up to lease-break-time for the holder.
+            errno.EAGAIN,
         }
     )
 )

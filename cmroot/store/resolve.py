@@ -170,8 +170,7 @@ def _stat_all(locs: Sequence[Located]) -> dict[str, _Original]:
     """`_stat` of each path (by key), local ones a directory at a time: each root and
     directory opened once, below the root with no symlink followed, and each file then by
     its name in it, no symlink followed (a batch of a table's files shares few
-    directories: the ctypes openat2 of every whole path was a third of a resolve, and an
-    open, fstat and close of each file a fifth)."""
+    directories: the ctypes openat2 of every whole path was a third of a resolve)."""
     out: dict[str, _Original] = {}
     by_dir: dict[tuple[int, str], list[tuple[Located, str]]] = {}
     for loc in locs:
@@ -200,7 +199,7 @@ def _stat_in(parent: str, group: list[tuple[Located, str]]) -> Iterator[_Origina
             dfd = confined.open_dir_beneath(rfd, parent) if parent else rfd
             try:
                 for loc, name in group:
-                    st = _stat_named(dfd, name)
+                    st = _open_named(dfd, name)
                     if st is not None:
                         ident = ident_of(st)
                         yield _Original(loc, st.st_size, ident_str(ident), read.settled(ident))
@@ -215,17 +214,22 @@ def _stat_in(parent: str, group: list[tuple[Located, str]]) -> Iterator[_Origina
         raise
 
 
-def _stat_named(dir_fd: int, name: str) -> os.stat_result | None:
-    """lstat of `name` in `dir_fd` if a regular file is there (no symlink followed). One
-    call, no open: whether its bytes are readable is for the hash to find, and a checksum
-    cached for its identity was read from it (a chmod moves ctime, so the identity)."""
+def _open_named(dir_fd: int, name: str) -> os.stat_result | None:
+    """fstat of the regular file `name` in `dir_fd`, opened as `_open_regular` opens one
+    (no symlink followed; not openable, as unreadable, is no original). Opened, not only
+    lstat'ed: whether this process may read a file can change with nothing of the file
+    changing (its groups, a security policy), so a cached checksum says nothing of it."""
     try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        fd = os.open(name, read.READ_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         if e.errno in read.NO_FILE:
             return None
         raise
-    return st if stat.S_ISREG(st.st_mode) else None
+    opened = _regular(fd)
+    if opened is None:
+        return None
+    os.close(opened[0])
+    return opened[1]
 
 
 def _hash(o: _Original) -> tuple[str | None, str] | None:

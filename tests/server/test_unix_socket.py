@@ -27,6 +27,7 @@ from cmroot import checksum as cks
 from cmroot import config as cfg
 from cmroot.client import Client
 from cmroot.exceptions import ConfigError
+from tests.cmroot_testlib import as_user
 from tests.server.cmroot_daemon import Daemon, MakeDaemon, clean_env, write_files
 
 pytestmark = pytest.mark.timeout(120)
@@ -99,34 +100,15 @@ def _as_user(uid: int, gid: int, path: Path, request: bytes) -> bytes:
 
 def _in_child(uid: int, gid: int, path: Path, talk: Callable[[socket.socket], bytes]) -> bytes:
     """Run `talk` on a connection to the socket from a child process running as uid/gid
-    and return what it returned. A forked child, not a new interpreter: the test's Python
-    may live where that uid cannot execute it."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 0
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(30)
-                s.connect(str(path))
-                out = talk(s)
-            with os.fdopen(w, "wb") as f:
-                f.write(out)
-        except BaseException as e:
-            os.write(w, f"child failed: {e!r}".encode())
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        out = f.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.WEXITSTATUS(status) == 0, out
-    return out
+    and return what it returned."""
+
+    def connect_and_talk() -> bytes:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(30)
+            s.connect(str(path))
+            return talk(s)
+
+    return as_user(uid, gid, [], connect_and_talk)
 
 
 def _answer(s: socket.socket) -> bytes:
