@@ -470,7 +470,8 @@ class Client:
         busy_wait: float | None = None,
     ) -> http.client.HTTPResponse:
         # The stdlib writes requests: msgspec would send NaN/Infinity as null (a lease of
-        # inf taken for "none given") and bytes as base64, where the stdlib refuses both.
+        # inf taken for "none given") and bytes as base64, where the stdlib refuses both. A
+        # body given as bytes is JSON already (resolve's pairs, plain strings checked).
         payload = (
             body if isinstance(body, bytes) or body is None
             else json.dumps(body, separators=(",", ":")).encode()
