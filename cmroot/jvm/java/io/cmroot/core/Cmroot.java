@@ -820,18 +820,18 @@ public final class Cmroot {
   }
 
   /**
-   * The data files in `dir` (and below it when `recursive`), sorted: no temporary or hidden
-   * names, and only names containing `mark` when it is not null.
-   */
-  /**
    * Is this entry of a data directory none of its data? Spark's and Hive's staging names
    * are all hidden ones, none with a '='. As Spark's file index has it, a directory
    * `_src=1` or `.p=1` is a partition all the same.
    */
-  private static boolean notData(String name, boolean isDir) {
+  public static boolean notData(String name, boolean isDir) {
     return isHiddenName(name) && !(isDir && name.indexOf('=') > 1);
   }
 
+  /**
+   * The data files in `dir` (and below it when `recursive`), sorted: no temporary or hidden
+   * names, and only names containing `mark` when it is not null.
+   */
   public static List<String> dataFiles(File dir, boolean recursive, String mark) {
     List<String> out = new ArrayList<>();
     File[] children = dir.listFiles();

@@ -10,7 +10,6 @@ import org.apache.spark.sql.catalyst.analysis.ResolvedIdentifier;
 import org.apache.spark.sql.catalyst.catalog.CatalogStorageFormat;
 import org.apache.spark.sql.catalyst.catalog.CatalogTable;
 import org.apache.spark.sql.catalyst.catalog.CatalogTablePartition;
-import org.apache.spark.sql.catalyst.catalog.SessionCatalog;
 import org.apache.spark.sql.catalyst.plans.logical.DropTable;
 import org.apache.spark.sql.catalyst.plans.logical.LogicalPlan;
 import org.apache.spark.sql.connector.catalog.Identifier;
@@ -85,9 +84,10 @@ final class CmrootCommands {
       String op = c.mode() == SaveMode.Overwrite ? "INSERT_OVERWRITE" : "INSERT";
       String location = Cmroot.where(String.valueOf(c.outputPath()));
       if (c.catalogTable().isDefined()) {
-        TableIdentifier id = c.catalogTable().get().identifier();
+        CatalogTable table = c.catalogTable().get();
+        TableIdentifier id = table.identifier();
         return new Ctx(op, db(session, id), id.table(), false, location)
-            .withPartitionDirs(customPartitions(session, id, location));
+            .withPartitionDirs(customPartitions(session, table, location));
       }
       return new Ctx(op, null, null, false, location);
     }
@@ -106,7 +106,7 @@ final class CmrootCommands {
       }
       return new Ctx(c.overwrite() ? "INSERT_OVERWRITE" : "INSERT", db(session, id),
           id.table(), false, location)
-          .withPartitionDirs(customPartitions(session, id, location))
+          .withPartitionDirs(customPartitions(session, c.table(), location))
           .withStaticSpec(fixed);
     }
     if (plan instanceof InsertIntoHiveDirCommand) { // deletes the old entries one by one
@@ -202,20 +202,21 @@ final class CmrootCommands {
   }
 
   /**
-   * The table's partitions at custom locations: anywhere but the k=v/... path below
-   * `location` that their spec gives (directory -> spec).
+   * The partitions of `table` (as the analysed plan or the catalog gave it) at custom
+   * locations: anywhere but the k=v/... path below `location` that their spec gives
+   * (directory -> spec). An unpartitioned table costs no metastore call.
    */
   private static Map<String, Map<String, String>> customPartitions(SparkSession session,
-      TableIdentifier id, String location) {
+      CatalogTable table, String location) {
     Map<String, Map<String, String>> out = new LinkedHashMap<>();
+    if (table == null || table.partitionColumnNames().isEmpty()) {
+      return out;
+    }
     try {
+      TableIdentifier id = table.identifier();
       TableIdentifier qualified = new TableIdentifier(id.table(), Option.apply(db(session, id)));
-      SessionCatalog catalog = session.sessionState().catalog();
-      if (catalog.getTableMetadata(qualified).partitionColumnNames().isEmpty()) {
-        return out;
-      }
       for (CatalogTablePartition p : CollectionConverters.asJava(
-          catalog.listPartitions(qualified, Option.empty()))) {
+          session.sessionState().catalog().listPartitions(qualified, Option.empty()))) {
         String dir = Cmroot.where(String.valueOf(p.location()));
         Map<String, String> spec = CollectionConverters.asJava(p.spec());
         if (dir != null && !Cmroot.isDefaultPartitionDir(dir, location, spec)) {
@@ -223,7 +224,7 @@ final class CmrootCommands {
         }
       }
     } catch (Exception e) {
-      // no such table, or not partitioned by the catalog: the command itself says so
+      // no such table any more, or not partitioned by the catalog: the command itself says so
     }
     return out;
   }
@@ -240,16 +241,17 @@ final class CmrootCommands {
   private static Ctx forTable(SparkSession session, String op, TableIdentifier id,
       boolean purge) {
     String db = db(session, id);
+    CatalogTable table = null;
     String location = null;
     try {
-      location = Cmroot.where(String.valueOf(session.sessionState().catalog()
-          .getTableMetadata(new TableIdentifier(id.table(), Option.apply(db))).location()));
+      table = session.sessionState().catalog()
+          .getTableMetadata(new TableIdentifier(id.table(), Option.apply(db)));
+      location = Cmroot.where(String.valueOf(table.location()));
     } catch (Exception e) {
       // no such table (IF EXISTS) or a temporary view: no location to match
     }
-    TableIdentifier qualified = new TableIdentifier(id.table(), Option.apply(db));
     return new Ctx(op, db, id.table(), purge, location)
-        .withPartitionDirs(customPartitions(session, qualified, location));
+        .withPartitionDirs(customPartitions(session, table, location));
   }
 
   private static String db(SparkSession session, TableIdentifier id) {

@@ -9,17 +9,22 @@ import java.io.UncheckedIOException;
 import java.nio.file.Files;
 import java.nio.file.LinkOption;
 import java.nio.file.Paths;
+import java.io.Serializable;
 import java.util.ArrayList;
+import java.util.HashMap;
 import java.util.LinkedHashMap;
 import java.util.LinkedHashSet;
 import java.util.List;
 import java.util.Map;
 import java.util.Set;
 import java.util.TreeSet;
+import scala.jdk.javaapi.CollectionConverters;
 import org.apache.hadoop.fs.FileSystem;
 import org.apache.hadoop.fs.Path;
 import org.apache.hadoop.mapreduce.JobContext;
+import org.apache.hadoop.mapreduce.TaskAttemptContext;
 import org.apache.spark.internal.io.FileCommitProtocol;
+import org.apache.spark.internal.io.FileNameSpec;
 import org.apache.spark.sql.execution.datasources.SQLHadoopMapReduceCommitProtocol;
 
 /**
@@ -62,6 +67,24 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
   // Outside a statement: the recycle of a file the overwrite replaced by a directory,
   // prepared when Spark deleted it (see replaceFile).
   private transient CmrootTransaction early;
+  // In a task: the files each attempt is writing, by attempt id.
+  private transient Map<String, Written> writing;
+
+  /**
+   * A task's commit message, with the files it wrote: relative to the output path
+   * ("k=v/part-..."), or absolute where Spark writes a partition at a custom location. The
+   * INSERT event lists them, so no walk of the table is needed to find them.
+   */
+  private static final class Written implements Serializable {
+    private static final long serialVersionUID = 1L;
+    final Object message; // Spark's own, handed back to it at job commit
+    final ArrayList<String> files = new ArrayList<>();
+    final ArrayList<String> absolute = new ArrayList<>();
+
+    Written(Object message) {
+      this.message = message;
+    }
+  }
 
   public CmrootCommitProtocol(String jobId, String path, boolean dynamicPartitionOverwrite) {
     super(jobId, path, dynamicPartitionOverwrite);
@@ -70,6 +93,55 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     this.dynamic = dynamicPartitionOverwrite;
     CmrootStatement st = CmrootStatement.current();
     this.ctx = st == null ? null : st.ctx;
+  }
+
+  @Override
+  public String newTaskTempFile(TaskAttemptContext task, scala.Option<String> dir,
+      FileNameSpec spec) {
+    String temp = super.newTaskTempFile(task, dir, spec);
+    String name = getFilename(task, spec); // what the file is called once committed
+    writing(task).files.add(dir.isDefined() ? dir.get() + "/" + name : name);
+    return temp;
+  }
+
+  @Override
+  public String newTaskTempFileAbsPath(TaskAttemptContext task, String absoluteDir,
+      FileNameSpec spec) {
+    String temp = super.newTaskTempFileAbsPath(task, absoluteDir, spec);
+    // As a URI, the form a partition's catalog location has: Cmroot.where reads it alike
+    // (a directory named `s%2Ft` stays so).
+    writing(task).absolute.add(new Path(absoluteDir, getFilename(task, spec)).toUri()
+        .toString());
+    return temp;
+  }
+
+  @Override
+  public FileCommitProtocol.TaskCommitMessage commitTask(TaskAttemptContext task) {
+    FileCommitProtocol.TaskCommitMessage m = super.commitTask(task);
+    Written w = new Written(m.obj());
+    Written wrote = done(task);
+    if (wrote != null) {
+      w.files.addAll(wrote.files);
+      w.absolute.addAll(wrote.absolute);
+    }
+    return new FileCommitProtocol.TaskCommitMessage(w);
+  }
+
+  @Override
+  public void abortTask(TaskAttemptContext task) {
+    done(task);
+    super.abortTask(task);
+  }
+
+  private synchronized Written writing(TaskAttemptContext task) {
+    if (writing == null) {
+      writing = new HashMap<>();
+    }
+    return writing.computeIfAbsent(task.getTaskAttemptID().toString(), k -> new Written(null));
+  }
+
+  private synchronized Written done(TaskAttemptContext task) {
+    return writing == null ? null : writing.remove(task.getTaskAttemptID().toString());
   }
 
   @Override
@@ -120,9 +192,12 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
 
   @Override
   public void commitJob(JobContext jobContext,
-      scala.collection.immutable.Seq<FileCommitProtocol.TaskCommitMessage> taskCommits) {
+      scala.collection.immutable.Seq<FileCommitProtocol.TaskCommitMessage> messages) {
     Cmroot.Settings s = Cmroot.settings(jobContext.getConfiguration());
     String base = Cmroot.where(outputPath);
+    List<String> wrote = reported(messages, base); // for the INSERT event
+    scala.collection.immutable.Seq<FileCommitProtocol.TaskCommitMessage> taskCommits =
+        sparkOwn(messages);
     List<String> list = new ArrayList<>();
     try {
       for (String p : snapshot) {
@@ -178,7 +253,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
       for (String d : emptied) {
         Cmroot.removeEmptyDirectories(d); // what Spark's delete would not have left
       }
-      recordInsert(s, target);
+      recordInsert(s, target, moved ? null : wrote);
     };
     if (moved && "INSERT_OVERWRITE".equals(ctx.op)) {
       // Hive deletes the old files (each a part of the statement's recycle) and moves these
@@ -322,16 +397,17 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
 
   /**
    * One INSERT event for the files this job wrote (their names carry its job id) into the
-   * table of the statement. A CTAS's waits for the metastore listener to record the table.
+   * table of the statement: `wrote`, as the tasks reported them, or found by a walk of the
+   * table when null (a Hive load moved them). A CTAS's waits for the metastore listener to
+   * record the table.
    */
-  private void recordInsert(Cmroot.Settings s, String base) throws Cmroot.EventException {
+  private void recordInsert(Cmroot.Settings s, String base, List<String> wrote)
+      throws Cmroot.EventException {
     Ctx c = ctx == null || base == null ? null : ctx.appliesTo(base);
     if (c == null || c.table == null || !Ctx.protectedPath(base, s, c)) {
       return;
     }
-    // A walk of the table: Spark reports the partitions a job wrote only for a dynamic
-    // overwrite. Listing directories is cheap next to the write itself.
-    List<String> files = jobFiles(base);
+    List<String> files = wrote == null ? jobFiles(base) : landed(wrote);
     if (files.isEmpty()) {
       return;
     }
@@ -352,6 +428,36 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     Cmroot.addEvent(body, s, "the insert into " + c.db + "." + c.table);
   }
 
+  /**
+   * Of the files the tasks reported (none below a hidden name), those the walk of
+   * {@link #jobFiles} would find: plain files, sorted, without duplicates. One stat for each,
+   * where the walk takes two for every entry of the table.
+   */
+  private static List<String> landed(List<String> wrote) {
+    Set<String> out = new TreeSet<>();
+    try {
+      for (String f : wrote) {
+        if (Cmroot.isFile(f)) {
+          out.add(f);
+        }
+      }
+    } catch (IOException e) {
+      throw new UncheckedIOException(e);
+    }
+    return new ArrayList<>(out);
+  }
+
+  /** Is the relative path ("k=v/part-...", or a bare name) hidden, or below a hidden name? */
+  private static boolean hiddenBelow(String rel) {
+    String[] names = rel.split("/");
+    for (int i = 0; i < names.length; i++) {
+      if (Cmroot.notData(names[i], i < names.length - 1)) {
+        return true;
+      }
+    }
+    return false;
+  }
+
   @Override
   public void abortJob(JobContext jobContext) {
     snapshot.clear(); // the old data was never touched
@@ -361,6 +467,54 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
       early.abort("the job writing " + outputPath + " failed");
       early = null;
     }
+  }
+
+  /** The commit messages as Spark's protocol made them, without the files cmroot added. */
+  private static scala.collection.immutable.Seq<FileCommitProtocol.TaskCommitMessage> sparkOwn(
+      scala.collection.immutable.Seq<FileCommitProtocol.TaskCommitMessage> messages) {
+    List<FileCommitProtocol.TaskCommitMessage> out = new ArrayList<>();
+    scala.collection.Iterator<FileCommitProtocol.TaskCommitMessage> it = messages.iterator();
+    while (it.hasNext()) {
+      FileCommitProtocol.TaskCommitMessage m = it.next();
+      out.add(m.obj() instanceof Written
+          ? new FileCommitProtocol.TaskCommitMessage(((Written) m.obj()).message) : m);
+    }
+    return CollectionConverters.asScala(out).toList();
+  }
+
+  /**
+   * The data files the tasks reported writing, as places below `base` or at a partition's
+   * custom location, none below a hidden name; null when a task did not say (the table is
+   * walked for them instead).
+   */
+  private static List<String> reported(
+      scala.collection.immutable.Seq<FileCommitProtocol.TaskCommitMessage> messages,
+      String base) {
+    if (base == null) {
+      return null;
+    }
+    List<String> out = new ArrayList<>();
+    scala.collection.Iterator<FileCommitProtocol.TaskCommitMessage> it = messages.iterator();
+    while (it.hasNext()) {
+      Object obj = it.next().obj();
+      if (!(obj instanceof Written)) {
+        return null;
+      }
+      Written w = (Written) obj;
+      for (String f : w.files) {
+        if (!hiddenBelow(f)) {
+          out.add(Cmroot.isLocal(base) ? Cmroot.child(base, f)
+              : Cmroot.uriKey(Cmroot.child(base, f)));
+        }
+      }
+      for (String a : w.absolute) {
+        String f = Cmroot.where(a);
+        if (f != null && !Cmroot.isHiddenName(f.substring(f.lastIndexOf('/') + 1))) {
+          out.add(f);
+        }
+      }
+    }
+    return out;
   }
 
   /** The partition directories (relative, "k=v/...") the tasks of this job wrote. */
