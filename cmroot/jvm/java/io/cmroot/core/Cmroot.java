@@ -439,6 +439,22 @@ public final class Cmroot {
   }
 
   /**
+   * {@link #where(String)} of a location the catalog hands over as a URI (Spark's
+   * CatalogTable and partitions: a directory `sp ace` spelt `sp%20ace`, one named `s%2Ft`
+   * spelt `s%252Ft`). A local one is read as the URI it is; one on another file system
+   * as the Hadoop path it names, the spelling {@link #uriKey} reads.
+   */
+  public static String where(URI location) {
+    if (location == null) {
+      return null;
+    }
+    String scheme = location.getScheme();
+    return scheme == null ? where(location.getPath())
+        : "file".equalsIgnoreCase(scheme) ? where(location.toString())
+        : where(new org.apache.hadoop.fs.Path(location).toString());
+  }
+
+  /**
    * A file system that deletes without cmroot when asked (a scheme's hook): what cmroot's
    * own clean-ups use, so that they are not taken for deletes of data.
    */
@@ -825,7 +841,7 @@ public final class Cmroot {
    * `_src=1` or `.p=1` is a partition all the same.
    */
   public static boolean notData(String name, boolean isDir) {
-    return isHiddenName(name) && !(isDir && name.indexOf('=') > 1);
+    return isHiddenName(name) && !(isDir && name.indexOf('=') > 0);
   }
 
   /**

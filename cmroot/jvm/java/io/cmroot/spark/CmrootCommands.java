@@ -94,7 +94,7 @@ final class CmrootCommands {
     if (plan instanceof InsertIntoHiveTable) {
       InsertIntoHiveTable c = (InsertIntoHiveTable) plan;
       TableIdentifier id = c.table().identifier();
-      String location = Cmroot.where(String.valueOf(c.table().location()));
+      String location = Cmroot.where(c.table().location());
       Map<String, String> fixed = new LinkedHashMap<>();
       for (Map.Entry<String, Option<String>> e
           : CollectionConverters.asJava(c.partition()).entrySet()) {
@@ -130,10 +130,10 @@ final class CmrootCommands {
       TableIdentifier id = table.identifier();
       TableIdentifier qualified = new TableIdentifier(id.table(), Option.apply(db(session, id)));
       Option<java.net.URI> uri = table.storage().locationUri();
-      Object location = uri.isDefined() ? uri.get()
+      java.net.URI location = uri.isDefined() ? uri.get()
           : session.sessionState().catalog().defaultTablePath(qualified);
-      return new Ctx("INSERT", db(session, id), id.table(), false,
-          Cmroot.where(String.valueOf(location)), true);
+      return new Ctx("INSERT", db(session, id), id.table(), false, Cmroot.where(location),
+          true);
     }
     return null;
   }
@@ -195,7 +195,7 @@ final class CmrootCommands {
       CatalogTablePartition p = active.get().sessionState().catalog().getPartition(
           new TableIdentifier(ctx.table, Option.apply(ctx.db)),
           scala.collection.immutable.Map$.MODULE$.from(CollectionConverters.asScala(spec)));
-      return Cmroot.where(String.valueOf(p.location()));
+      return Cmroot.where(p.location());
     } catch (Exception e) {
       return null; // no such partition, or a spec the catalog does not take
     }
@@ -217,7 +217,7 @@ final class CmrootCommands {
       TableIdentifier qualified = new TableIdentifier(id.table(), Option.apply(db(session, id)));
       for (CatalogTablePartition p : CollectionConverters.asJava(
           session.sessionState().catalog().listPartitions(qualified, Option.empty()))) {
-        String dir = Cmroot.where(String.valueOf(p.location()));
+        String dir = Cmroot.where(p.location());
         Map<String, String> spec = CollectionConverters.asJava(p.spec());
         if (dir != null && !Cmroot.isDefaultPartitionDir(dir, location, spec)) {
           out.put(dir, spec);
@@ -234,7 +234,7 @@ final class CmrootCommands {
     Option<java.net.URI> uri = storage.locationUri();
     return uri.isDefined()
         ? new Ctx("INSERT_OVERWRITE", null, null, false,
-            Cmroot.where(String.valueOf(uri.get())))
+            Cmroot.where(uri.get()))
         : null;
   }
 
@@ -246,7 +246,7 @@ final class CmrootCommands {
     try {
       table = session.sessionState().catalog()
           .getTableMetadata(new TableIdentifier(id.table(), Option.apply(db)));
-      location = Cmroot.where(String.valueOf(table.location()));
+      location = Cmroot.where(table.location());
     } catch (Exception e) {
       // no such table (IF EXISTS) or a temporary view: no location to match
     }

@@ -9,7 +9,6 @@ import java.io.UncheckedIOException;
 import java.nio.file.Files;
 import java.nio.file.LinkOption;
 import java.nio.file.Paths;
-import java.io.Serializable;
 import java.util.ArrayList;
 import java.util.HashMap;
 import java.util.LinkedHashMap;
@@ -67,24 +66,11 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
   // Outside a statement: the recycle of a file the overwrite replaced by a directory,
   // prepared when Spark deleted it (see replaceFile).
   private transient CmrootTransaction early;
-  // In a task: the files each attempt is writing, by attempt id.
-  private transient Map<String, Written> writing;
-
-  /**
-   * A task's commit message, with the files it wrote: relative to the output path
-   * ("k=v/part-..."), or absolute where Spark writes a partition at a custom location. The
-   * INSERT event lists them, so no walk of the table is needed to find them.
-   */
-  private static final class Written implements Serializable {
-    private static final long serialVersionUID = 1L;
-    final Object message; // Spark's own, handed back to it at job commit
-    final ArrayList<String> files = new ArrayList<>();
-    final ArrayList<String> absolute = new ArrayList<>();
-
-    Written(Object message) {
-      this.message = message;
-    }
-  }
+  // A task's file at a partition's custom location (see commitTask): no relative name
+  // starts so.
+  private static final String ABSOLUTE = "\0";
+  // In a task: the files each attempt is writing, by attempt id (see commitTask).
+  private transient Map<String, List<String>> writing;
 
   public CmrootCommitProtocol(String jobId, String path, boolean dynamicPartitionOverwrite) {
     super(jobId, path, dynamicPartitionOverwrite);
@@ -100,7 +86,7 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
       FileNameSpec spec) {
     String temp = super.newTaskTempFile(task, dir, spec);
     String name = getFilename(task, spec); // what the file is called once committed
-    writing(task).files.add(dir.isDefined() ? dir.get() + "/" + name : name);
+    writing(task).add(dir.isDefined() ? dir.get() + "/" + name : name);
     return temp;
   }
 
@@ -108,23 +94,24 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
   public String newTaskTempFileAbsPath(TaskAttemptContext task, String absoluteDir,
       FileNameSpec spec) {
     String temp = super.newTaskTempFileAbsPath(task, absoluteDir, spec);
-    // As a URI, the form a partition's catalog location has: Cmroot.where reads it alike
-    // (a directory named `s%2Ft` stays so).
-    writing(task).absolute.add(new Path(absoluteDir, getFilename(task, spec)).toUri()
-        .toString());
+    // The directory as a URI, the form a partition's catalog location has (a directory
+    // named `s%2Ft` stays so), then the name: placed as the statement's partition is.
+    writing(task).add(ABSOLUTE + new Path(absoluteDir).toUri() + "\0" + getFilename(task, spec));
     return temp;
   }
 
+  /**
+   * Spark's commit message, paired with the files the task wrote: relative to the output
+   * path ("k=v/part-..."), or ABSOLUTE + directory + NUL + name where Spark writes a
+   * partition at a custom location. The INSERT event lists them, so the table need not be
+   * walked for them. A Tuple2 and a String[], as Spark's own message is a Tuple2: types
+   * every serializer Spark configures knows (Kryo with registrationRequired included).
+   */
   @Override
   public FileCommitProtocol.TaskCommitMessage commitTask(TaskAttemptContext task) {
     FileCommitProtocol.TaskCommitMessage m = super.commitTask(task);
-    Written w = new Written(m.obj());
-    Written wrote = done(task);
-    if (wrote != null) {
-      w.files.addAll(wrote.files);
-      w.absolute.addAll(wrote.absolute);
-    }
-    return new FileCommitProtocol.TaskCommitMessage(w);
+    return new FileCommitProtocol.TaskCommitMessage(
+        new scala.Tuple2<>(m.obj(), done(task).toArray(new String[0])));
   }
 
   @Override
@@ -133,15 +120,23 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     super.abortTask(task);
   }
 
-  private synchronized Written writing(TaskAttemptContext task) {
+  private synchronized List<String> writing(TaskAttemptContext task) {
     if (writing == null) {
       writing = new HashMap<>();
     }
-    return writing.computeIfAbsent(task.getTaskAttemptID().toString(), k -> new Written(null));
+    return writing.computeIfAbsent(task.getTaskAttemptID().toString(), k -> new ArrayList<>());
   }
 
-  private synchronized Written done(TaskAttemptContext task) {
-    return writing == null ? null : writing.remove(task.getTaskAttemptID().toString());
+  private synchronized List<String> done(TaskAttemptContext task) {
+    List<String> files = writing == null ? null
+        : writing.remove(task.getTaskAttemptID().toString());
+    return files == null ? List.of() : files;
+  }
+
+  /** The files a task reports, when `obj` is one of this protocol's commit messages. */
+  private static String[] wrote(Object obj) {
+    return obj instanceof scala.Tuple2 && ((scala.Tuple2<?, ?>) obj)._2() instanceof String[]
+        ? (String[]) ((scala.Tuple2<?, ?>) obj)._2() : null;
   }
 
   @Override
@@ -476,8 +471,8 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     scala.collection.Iterator<FileCommitProtocol.TaskCommitMessage> it = messages.iterator();
     while (it.hasNext()) {
       FileCommitProtocol.TaskCommitMessage m = it.next();
-      out.add(m.obj() instanceof Written
-          ? new FileCommitProtocol.TaskCommitMessage(((Written) m.obj()).message) : m);
+      out.add(wrote(m.obj()) != null
+          ? new FileCommitProtocol.TaskCommitMessage(((scala.Tuple2<?, ?>) m.obj())._1()) : m);
     }
     return CollectionConverters.asScala(out).toList();
   }
@@ -496,21 +491,22 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     List<String> out = new ArrayList<>();
     scala.collection.Iterator<FileCommitProtocol.TaskCommitMessage> it = messages.iterator();
     while (it.hasNext()) {
-      Object obj = it.next().obj();
-      if (!(obj instanceof Written)) {
+      String[] files = wrote(it.next().obj());
+      if (files == null) {
         return null;
       }
-      Written w = (Written) obj;
-      for (String f : w.files) {
-        if (!hiddenBelow(f)) {
+      for (String f : files) {
+        if (f.startsWith(ABSOLUTE)) {
+          // The directory as the catalog's location is read, as the walk of it was.
+          int nul = f.indexOf('\0', ABSOLUTE.length());
+          String dir = Cmroot.where(java.net.URI.create(f.substring(ABSOLUTE.length(), nul)));
+          String name = f.substring(nul + 1);
+          if (dir != null && !Cmroot.isHiddenName(name)) {
+            out.add(Cmroot.child(dir, name));
+          }
+        } else if (!hiddenBelow(f)) {
           out.add(Cmroot.isLocal(base) ? Cmroot.child(base, f)
               : Cmroot.uriKey(Cmroot.child(base, f)));
-        }
-      }
-      for (String a : w.absolute) {
-        String f = Cmroot.where(a);
-        if (f != null && !Cmroot.isHiddenName(f.substring(f.lastIndexOf('/') + 1))) {
-          out.add(f);
         }
       }
     }

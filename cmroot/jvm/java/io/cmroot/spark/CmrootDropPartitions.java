@@ -45,7 +45,7 @@ final class CmrootDropPartitions {
     }
     TableIdentifier qualified = table.identifier();
     String db = qualified.database().get();
-    String tableLoc = Cmroot.where(String.valueOf(table.location()));
+    String tableLoc = Cmroot.where(table.location());
     List<String> columns = CollectionConverters.asJava(table.partitionColumnNames());
     boolean purge = cmd.purge() || "true".equalsIgnoreCase(
         table.properties().getOrElse("auto.purge", () -> "false"));
@@ -59,7 +59,7 @@ final class CmrootDropPartitions {
         return; // not a partition column: the command itself says so
       }
       for (CatalogTablePartition p : matching(catalog, qualified, normalized)) {
-        String loc = Cmroot.where(String.valueOf(p.location()));
+        String loc = Cmroot.where(p.location());
         Cmroot.refuseRootRemoval(loc, s, "the drop of partition");
         if (!Cmroot.protectedLocation(loc, s) || !Cmroot.holdsFiles(loc, Cmroot.hadoop())) {
           continue;

@@ -165,8 +165,8 @@ public class CmrootExtensions extends AbstractFunction1<SparkSessionExtensions, 
       }
       String location;
       try {
-        location = Cmroot.where(String.valueOf(
-            session.sessionState().catalog().getDatabaseMetadata(db).locationUri()));
+        location = Cmroot.where(
+            session.sessionState().catalog().getDatabaseMetadata(db).locationUri());
       } catch (Exception e) {
         return BoxedUnit.UNIT; // no such database: the command says so
       }

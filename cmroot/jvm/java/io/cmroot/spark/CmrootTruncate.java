@@ -37,7 +37,7 @@ final class CmrootTruncate {
     }
     TableIdentifier qualified = table.identifier();
     String db = qualified.database().get();
-    String tableLoc = Cmroot.where(String.valueOf(table.location()));
+    String tableLoc = Cmroot.where(table.location());
     List<String> columns = CollectionConverters.asJava(table.partitionColumnNames());
     List<String> dirs = new ArrayList<>();
     List<Map<String, String>> parts = new ArrayList<>();
@@ -57,7 +57,7 @@ final class CmrootTruncate {
         found = CollectionConverters.asJava(catalog.listPartitions(qualified, Option.empty()));
       }
       for (CatalogTablePartition p : found) {
-        dirs.add(Cmroot.where(String.valueOf(p.location())));
+        dirs.add(Cmroot.where(p.location()));
         Map<String, String> kv = new LinkedHashMap<>();
         for (String c : columns) {
           kv.put(c, p.spec().getOrElse(c, () -> null));
