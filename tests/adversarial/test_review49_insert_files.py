@@ -16,8 +16,8 @@ destination of tests/adversarial/conftest.py) loaded from a dump and its rows co
 with the source's. Findings were checked against 2efe158^ (a copy of the tree at
 HEAD~1 with the same tests).
 
-Breaks (test_break_*; each docstring: the sequence, what was seen, what is expected). Five
-are fixed, one is a strict xfail kept:
+Breaks (test_break_*; each docstring: the sequence, what was seen, what is expected), all
+six fixed since:
 - A Spark application with `spark.kryo.registrationRequired=true` could no longer write a
   table: every task's result carried CmrootCommitProtocol$Written, a class Kryo was never
   told about ("Class is not registered"). (Regression.) FIXED: the message is a Tuple2 of
@@ -43,7 +43,9 @@ are fixed, one is a strict xfail kept:
   rollback puts the old files back, but the partition the overwrite emptied stays dropped
   from the catalog (and a DROP_PARTITION is recorded): the table loses rows though the
   statement failed. Already so on 2efe158^ (the rollback is not part of the change).
-  KEPT as a strict xfail: undoing the catalog's partition drop is not done.
+  FIXED: the rollback puts the dropped partitions back in the catalog; the metastore
+  records the drop and the re-add (with the files), which a replica replays to the same
+  rows.
 
 Held (test_held_*): custom partition locations named with a space, `%25`, `%2F`, `=`,
 `+`, `#`, `:` and unicode; partition values needing escaping, nested partitions, the
@@ -522,30 +524,29 @@ def test_held_multi_insert_ctas_dataframe_writes_and_empty_inserts(src: Source) 
                           (tdir(s, "emp"),)) == []
 
 
-def failed_multi_insert(s: Source, name: str, overwrite: str) -> tuple[Any, ...]:
+def failed_multi_insert(
+    s: Source, name: str, overwrite: str, db: str = DB
+) -> tuple[Any, ...]:
     """db.<name>a (a INT, p INT) partitioned by p, p=1 at a custom location, rows (1, 1) and
     (2, 2); `FROM <name>s <overwrite> ... INSERT INTO <name>b <a task raises>`: (error,
     events, data files before, after, rows after, partitions after)."""
-    s.sql(f"CREATE TABLE {DB}.{name}s USING parquet AS SELECT CAST(id AS INT) a FROM range(4)")
-    s.sql(f"CREATE TABLE {DB}.{name}a (a INT, p INT) USING parquet PARTITIONED BY (p)")
-    s.sql(f"CREATE TABLE {DB}.{name}b (a INT) USING parquet")
+    s.sql(f"CREATE TABLE {db}.{name}s USING parquet AS SELECT CAST(id AS INT) a FROM range(4)")
+    s.sql(f"CREATE TABLE {db}.{name}a (a INT, p INT) USING parquet PARTITIONED BY (p)")
+    s.sql(f"CREATE TABLE {db}.{name}b (a INT) USING parquet")
     loc = s.warehouse / "l49f" / f"{name} p1"
-    s.sql(f"ALTER TABLE {DB}.{name}a ADD PARTITION (p=1) LOCATION '{loc}'")
-    s.sql(f"INSERT INTO {DB}.{name}a VALUES (1, 1), (2, 2)")
-    roots = (tdir(s, f"{name}a"), tdir(s, f"{name}b"), loc)
+    s.sql(f"ALTER TABLE {db}.{name}a ADD PARTITION (p=1) LOCATION '{loc}'")
+    s.sql(f"INSERT INTO {db}.{name}a VALUES (1, 1), (2, 2)")
+    roots = (tdir(s, f"{name}a", db), tdir(s, f"{name}b", db), loc)
     before = snapshot(*roots)
-    err, events = attempt(s, f"FROM {DB}.{name}s {overwrite.format(t=f'{DB}.{name}a')} "
-                             f"INSERT INTO {DB}.{name}b SELECT IF(a > 2, raise_error('boom'), a)")
+    err, events = attempt(s, f"FROM {db}.{name}s {overwrite.format(t=f'{db}.{name}a')} "
+                             f"INSERT INTO {db}.{name}b SELECT IF(a > 2, raise_error('boom'), a)")
     assert err is not None and "boom" in err
-    return (err, events, before, snapshot(*roots), rows(s, f"SELECT a, p FROM {DB}.{name}a"),
-            sorted(r[0] for r in s.sql(f"SHOW PARTITIONS {DB}.{name}a")))
+    return (err, events, before, snapshot(*roots), rows(s, f"SELECT a, p FROM {db}.{name}a"),
+            sorted(r[0] for r in s.sql(f"SHOW PARTITIONS {db}.{name}a")))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "already on 2efe158^: the rollback of a failed multi-insert puts the overwritten files "
-    "back, but Spark's drop of the partitions the overwrite emptied stays (and is recorded)"))
 def test_break_a_failed_multi_insert_whole_table_overwrite_drops_a_partition(
-    src: Source
+    src: Source, destination: Destination
 ) -> None:
     """Sequence: CREATE TABLE rev49.fwa (a INT, p INT) USING parquet PARTITIONED BY (p);
     p=1 at a custom location; INSERT INTO fwa VALUES (1, 1), (2, 2); FROM fws (a = 0..3)
@@ -558,12 +559,26 @@ def test_break_a_failed_multi_insert_whole_table_overwrite_drops_a_partition(
     DROP_PARTITION p=2 event (no files) was recorded. Neither the table before the
     statement nor Spark's own outcome (p=1 holding 0..3). Same on 2efe158^.
     Expected: a failed statement leaves nothing half applied: fwa reads [(1, 1), (2, 2)]
-    with partitions p=1, p=2, and no event is recorded."""
+    with partitions p=1, p=2, and no event is recorded.
+    FIXED as far as the catalog allows: the rollback puts the dropped partition back in
+    the catalog (CmrootCommands.partitionsRestorer). The metastore made the drop and
+    records it; it records the re-add too (ADD_PARTITION with p=2's file), so a replica
+    replaying both ends with the source's rows."""
+    start = src.daemon.current()
+    src.sql("CREATE DATABASE rev49f")
     _, events, before, after, got, parts = failed_multi_insert(
-        src, "fw", "INSERT OVERWRITE TABLE {t} SELECT a, 1")
+        src, "fw", "INSERT OVERWRITE TABLE {t} SELECT a, 1", "rev49f")
     assert after == before and inserted(events) == [], brief(events)
     assert (got, parts) == ([(1, 1), (2, 2)], ["p=1", "p=2"]), brief(events)
-    assert events == [], brief(events)
+    p2 = sorted(p for p in before if "/p=2/" in p and not os.path.basename(p).startswith("."))
+    assert [(e["eventType"], e["partitions"], sorted(f["path"] for f in e["files"]))
+            for e in events] == [("DROP_PARTITION", [{"p": "2"}], []),
+                                 ("ADD_PARTITION", [{"p": "2"}], p2)], brief(events)
+    dump, _ = src.dump("rev49f", from_id=start)
+    [replica] = destination.run({"load": {"dump": dump},
+                                 "queries": {"t": "SELECT a, p FROM rev49f.fwa"}})
+    load_ok(replica)
+    assert replica["rows"]["t"] == [[1, 1], [2, 2]], replica["rows"]
 
 
 def test_held_a_failed_multi_insert_partition_overwrite_leaves_nothing(src: Source) -> None:

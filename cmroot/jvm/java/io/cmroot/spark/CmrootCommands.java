@@ -10,6 +10,7 @@ import org.apache.spark.sql.catalyst.analysis.ResolvedIdentifier;
 import org.apache.spark.sql.catalyst.catalog.CatalogStorageFormat;
 import org.apache.spark.sql.catalyst.catalog.CatalogTable;
 import org.apache.spark.sql.catalyst.catalog.CatalogTablePartition;
+import org.apache.spark.sql.catalyst.catalog.SessionCatalog;
 import org.apache.spark.sql.catalyst.plans.logical.DropTable;
 import org.apache.spark.sql.catalyst.plans.logical.LogicalPlan;
 import org.apache.spark.sql.connector.catalog.Identifier;
@@ -199,6 +200,46 @@ final class CmrootCommands {
     } catch (Exception e) {
       return null; // no such partition, or a spec the catalog does not take
     }
+  }
+
+  /**
+   * What puts back into the catalog the partitions of db.table listed now that are missing
+   * when it runs (with their locations and properties as listed); null for an unpartitioned
+   * table, or when there is no session here. The metastore records each as ADD_PARTITION
+   * with the files in it, after the DROP_PARTITION of its drop: a replica ends as this does.
+   */
+  static CmrootStatement.Action partitionsRestorer(String db, String table) {
+    Option<SparkSession> active = SparkSession.getActiveSession();
+    if (!active.isDefined()) {
+      return null;
+    }
+    SessionCatalog catalog = active.get().sessionState().catalog();
+    TableIdentifier id = new TableIdentifier(table, Option.apply(db));
+    scala.collection.immutable.Seq<CatalogTablePartition> before;
+    try {
+      if (catalog.getTableMetadata(id).partitionColumnNames().isEmpty()) {
+        return null;
+      }
+      before = catalog.listPartitions(id, Option.empty());
+    } catch (Exception e) {
+      return null; // no such table: the command itself says so
+    }
+    return () -> {
+      java.util.Set<scala.collection.immutable.Map<String, String>> now = new java.util.HashSet<>();
+      for (CatalogTablePartition p : CollectionConverters.asJava(
+          catalog.listPartitions(id, Option.empty()))) {
+        now.add(p.spec());
+      }
+      java.util.List<CatalogTablePartition> missing = new java.util.ArrayList<>();
+      for (CatalogTablePartition p : CollectionConverters.asJava(before)) {
+        if (!now.contains(p.spec())) {
+          missing.add(p);
+        }
+      }
+      if (!missing.isEmpty()) {
+        catalog.createPartitions(id, CollectionConverters.asScala(missing).toList(), true);
+      }
+    };
   }
 
   /**

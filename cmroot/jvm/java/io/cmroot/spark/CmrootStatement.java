@@ -413,6 +413,11 @@ public final class CmrootStatement implements Statement {
     return out;
   }
 
+  /** Is this statement one write of a larger one (a multi-insert's)? */
+  boolean nested() {
+    return outer != null;
+  }
+
   /** Run `action` if the recycle (op, db, table, purge) of the statement is rolled back. */
   void onRollback(String op, String db, String table, boolean purge, Action action) {
     synchronized (unit.txs) {
