@@ -1,7 +1,9 @@
 package io.cmroot.spark;
 
 import io.cmroot.core.Cmroot;
+import java.util.ArrayList;
 import java.util.LinkedHashMap;
+import java.util.List;
 import java.util.Map;
 import org.apache.spark.sql.SaveMode;
 import org.apache.spark.sql.SparkSession;
@@ -203,10 +205,12 @@ final class CmrootCommands {
   }
 
   /**
-   * What puts back into the catalog the partitions of db.table listed now that are missing
-   * when it runs (with their locations and properties as listed); null for an unpartitioned
-   * table, or when there is no session here. The metastore records each as ADD_PARTITION
-   * with the files in it, after the DROP_PARTITION of its drop: a replica ends as this does.
+   * What puts the partitions of db.table back as they are listed now: one missing then is
+   * created again, one moved to another location is moved back, and one not listed now
+   * whose directory holds no data file then (a partition the rolled-back writes added; its
+   * files are removed by then) is dropped, its directory kept. Null for an unpartitioned
+   * table, or when there is no session here. The metastore records each change (after
+   * those it undoes): a replica ends as this table does.
    */
   static CmrootStatement.Action partitionsRestorer(String db, String table) {
     Option<SparkSession> active = SparkSession.getActiveSession();
@@ -215,26 +219,45 @@ final class CmrootCommands {
     }
     SessionCatalog catalog = active.get().sessionState().catalog();
     TableIdentifier id = new TableIdentifier(table, Option.apply(db));
-    scala.collection.immutable.Seq<CatalogTablePartition> before;
+    List<CatalogTablePartition> before;
     try {
       if (catalog.getTableMetadata(id).partitionColumnNames().isEmpty()) {
         return null;
       }
-      before = catalog.listPartitions(id, Option.empty());
+      before = CollectionConverters.asJava(catalog.listPartitions(id, Option.empty()));
     } catch (Exception e) {
       return null; // no such table: the command itself says so
     }
     return () -> {
-      java.util.Set<scala.collection.immutable.Map<String, String>> now = new java.util.HashSet<>();
+      Map<scala.collection.immutable.Map<String, String>, CatalogTablePartition> now =
+          new LinkedHashMap<>();
       for (CatalogTablePartition p : CollectionConverters.asJava(
           catalog.listPartitions(id, Option.empty()))) {
-        now.add(p.spec());
+        now.put(p.spec(), p);
       }
-      java.util.List<CatalogTablePartition> missing = new java.util.ArrayList<>();
-      for (CatalogTablePartition p : CollectionConverters.asJava(before)) {
-        if (!now.contains(p.spec())) {
+      List<CatalogTablePartition> missing = new ArrayList<>();
+      List<CatalogTablePartition> moved = new ArrayList<>();
+      for (CatalogTablePartition p : before) {
+        CatalogTablePartition cur = now.remove(p.spec());
+        if (cur == null) {
           missing.add(p);
+        } else if (!String.valueOf(cur.location()).equals(String.valueOf(p.location()))) {
+          moved.add(p);
         }
+      }
+      List<scala.collection.immutable.Map<String, String>> added = new ArrayList<>();
+      for (CatalogTablePartition p : now.values()) {
+        String dir = Cmroot.where(p.location());
+        if (dir != null && Cmroot.dataFiles(dir, true, null, Cmroot.hadoop()).isEmpty()) {
+          added.add(p.spec());
+        }
+      }
+      if (!added.isEmpty()) {
+        catalog.dropPartitions(id, CollectionConverters.asScala(added).toList(), true, false,
+            true);
+      }
+      if (!moved.isEmpty()) {
+        catalog.alterPartitions(id, CollectionConverters.asScala(moved).toList());
       }
       if (!missing.isEmpty()) {
         catalog.createPartitions(id, CollectionConverters.asScala(missing).toList(), true);

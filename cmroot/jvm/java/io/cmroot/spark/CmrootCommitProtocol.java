@@ -332,10 +332,10 @@ public class CmrootCommitProtocol extends SQLHadoopMapReduceCommitProtocol {
     // If the statement fails after the job commit, the old files come back: the files this
     // job committed must go, or the table would hold both.
     st.onRollback("INSERT_OVERWRITE", db, table, false, () -> removeOutput(base));
-    if (!dynamic && table != null && st.nested()) {
-      // In a multi-insert a later write may fail after this one's command dropped from the
-      // catalog the partitions the overwrite emptied (Spark does, once the job committed):
-      // their files come back, so must they.
+    if (!dynamic && table != null && st.nested() && st.firstTouch(db, table)) {
+      // In a multi-insert a later write may fail after this one's command changed the
+      // catalog: dropped the partitions the overwrite emptied (Spark does, once the job
+      // committed), added new ones. The files come back, so must the partitions.
       CmrootStatement.Action restore = CmrootCommands.partitionsRestorer(db, table);
       if (restore != null) {
         st.onRollback("INSERT_OVERWRITE", db, table, false, restore);

@@ -69,6 +69,8 @@ public final class CmrootStatement implements Statement {
   // Files of another table a LOAD kept before anything moved (CmrootStatementCommand): their
   // renames find them kept.
   private final Set<String> kept = ConcurrentHashMap.newKeySet();
+  // Tables (db.table) whose catalog partitions a write listed for the rollback (firstTouch).
+  private final Set<String> touched = ConcurrentHashMap.newKeySet();
   private final long startedMillis = System.currentTimeMillis();
   // The SQL text of the statement, when Spark kept it (for the audit); set on the unit.
   private volatile String sql;
@@ -416,6 +418,15 @@ public final class CmrootStatement implements Statement {
   /** Is this statement one write of a larger one (a multi-insert's)? */
   boolean nested() {
     return outer != null;
+  }
+
+  /**
+   * True the first time a write of the statement asks for db.table: the catalog as that
+   * first write found it is what a rollback restores, not as a later write of the same
+   * table (after the first one's changes) found it.
+   */
+  boolean firstTouch(String db, String table) {
+    return unit.touched.add(db + "." + table);
   }
 
   /** Run `action` if the recycle (op, db, table, purge) of the statement is rolled back. */
