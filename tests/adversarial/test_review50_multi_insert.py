@@ -43,6 +43,7 @@ import pytest
 pytest.importorskip("pyspark")
 
 from tests.adversarial.test_review4_spark import attempt, brief
+from tests.adversarial.test_review7_spark import with_conf
 from tests.adversarial.test_review49_insert_files import rows, snapshot, src, tdir  # noqa: F401
 from tests.repl.conftest import Destination, Source, load_ok
 
@@ -51,6 +52,8 @@ pytestmark = pytest.mark.timeout(900)
 DB = "rev50"
 LOADED: dict[str, int] = {}  # the shared replica's last event of DB
 FAIL = "INSERT INTO {b} SELECT IF(a > 2, raise_error('boom'), a)"
+# Set to "false": a STORED AS PARQUET table is written by Hive's InsertIntoHiveTable.
+HIVE_WRITE = "spark.sql.hive.convertMetastoreParquet"
 
 
 def setup(s: Source, name: str, fmt: str = "USING parquet") -> tuple:
@@ -198,14 +201,11 @@ def test_break_hive_format_overwrite_in_a_failed_multi_insert_keeps_its_new_part
     Code at fault: InsertIntoHiveTable's overwrite of a partition that did not exist has
     nothing to recycle: no INSERT_OVERWRITE transaction, so no undo (removeOutput) is ever
     registered for it; Hive's loadDynamicPartitions added the partition. Not a regression."""
-    src.sql("SET spark.sql.hive.convertMetastoreParquet=false")
-    src.sql("SET hive.exec.dynamic.partition.mode=nonstrict")
-    try:
+    with with_conf(src, HIVE_WRITE, "false"), \
+            with_conf(src, "hive.exec.dynamic.partition.mode", "nonstrict"):
         err, events, _, _, st0, st1 = fail_multi(
             src, "hv", "INSERT OVERWRITE TABLE {a} PARTITION (p) SELECT a, 3 " + FAIL,
             fmt="STORED AS PARQUET")
-    finally:
-        src.sql("SET spark.sql.hive.convertMetastoreParquet=true")
     assert err is not None and "boom" in err
     assert (st1, brief(events)) == (st0, [])
 
@@ -253,12 +253,9 @@ def test_held_dynamic_overwrite_in_a_failed_multi_insert(src: Source) -> None:  
     """spark.sql.sources.partitionOverwriteMode=dynamic: FROM dys INSERT OVERWRITE TABLE
     dya SELECT a, a % 2 + 1 ... <boom>: no restorer; files, rows, partitions as before,
     no event."""
-    src.sql("SET spark.sql.sources.partitionOverwriteMode=dynamic")
-    try:
+    with with_conf(src, "spark.sql.sources.partitionOverwriteMode", "dynamic"):
         err, events, before, after, st0, st1 = fail_multi(
             src, "dy", "INSERT OVERWRITE TABLE {a} SELECT a, a % 2 + 1 " + FAIL)
-    finally:
-        src.sql("SET spark.sql.sources.partitionOverwriteMode=static")
     assert err is not None and (after, st1, events) == (before, st0, [])
 
 
@@ -267,13 +264,10 @@ def test_held_hive_format_static_partition_overwrite_in_a_failed_multi_insert(
 ) -> None:
     """STORED AS PARQUET, convertMetastoreParquet=false (InsertIntoHiveTable): FROM hws
     INSERT OVERWRITE TABLE hwa PARTITION (p=1) SELECT a ... <boom>: as before, no event."""
-    src.sql("SET spark.sql.hive.convertMetastoreParquet=false")
-    try:
+    with with_conf(src, HIVE_WRITE, "false"):
         err, events, before, after, st0, st1 = fail_multi(
             src, "hw", "INSERT OVERWRITE TABLE {a} PARTITION (p=1) SELECT a " + FAIL,
             fmt="STORED AS PARQUET")
-    finally:
-        src.sql("SET spark.sql.hive.convertMetastoreParquet=true")
     assert err is not None and (after, st1, events) == (before, st0, [])
 
 
